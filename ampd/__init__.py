@@ -1,0 +1,1 @@
+"""The `ampd` command line and the local stack it starts."""

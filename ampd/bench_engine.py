@@ -1,0 +1,201 @@
+"""`ampd bench engine`: how many concurrent streams one sim worker keeps on time.
+
+The worker runs pinned to one core, the load generator on another. At each level of
+concurrency N, N streaming requests start together and decode ``output_tokens``
+tokens each (ignore_eos); the mean inter-token latency the clients see is compared
+with the profile's prediction for a decode batch of N, T_dec(N, context) / speed.
+The result is the largest N whose ITL stays within the tolerance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from planner.profile import load_profile
+
+
+@dataclass
+class Level:
+    streams: int
+    predicted_itl_ms: float
+    measured_itl_ms: float
+    p99_stream_itl_ms: float
+
+    @property
+    def excess(self) -> float:
+        return self.measured_itl_ms / self.predicted_itl_ms - 1
+
+
+def _pin(cpu: int):
+    def pin() -> None:
+        os.sched_setaffinity(0, {cpu})
+
+    return pin
+
+
+def _start_worker(profile: str, speed: float, port: int) -> subprocess.Popen:
+    command = [
+        sys.executable,
+        "-m",
+        "ampd.cli",
+        "worker",
+        "sim",
+        "--port",
+        str(port),
+        "--profile",
+        profile,
+        "--speed",
+        str(speed),
+        "--max-num-seqs",
+        "4096",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_pin(0))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError("the sim worker did not start")
+        time.sleep(0.1)
+
+
+async def _stream(host: str, port: int, body: bytes) -> tuple[float, float, int]:
+    """(first arrival, last arrival, data events) of one streamed completion.
+
+    A bare HTTP/1.1 exchange over asyncio streams rather than an HTTP client library:
+    at tens of thousands of events a second a library's per-chunk cost would make the
+    load generator, not the worker, the bottleneck. Events are counted, not parsed.
+    """
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    first = last = 0.0
+    events = 0
+    tail = b""
+    while chunk := await reader.read(65536):
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        window = tail + chunk
+        events += window.count(b"data: {") - tail.count(b"data: {")
+        tail = window[-8:]
+    writer.close()
+    return first, last, events
+
+
+async def _level(url: str, model: str, streams: int, output_tokens: int) -> list[float]:
+    host, port = url.removeprefix("http://").split(":")
+    bodies = [
+        json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": f"stream {i} of the engine benchmark"}],
+                "max_tokens": output_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        for i in range(streams)
+    ]
+    results = await asyncio.gather(*(_stream(host, int(port), b) for b in bodies))
+    itls = []
+    for first, last, events in results:
+        if events < output_tokens:
+            raise RuntimeError(f"a stream delivered {events} events for {output_tokens} tokens")
+        itls.append((last - first) / (output_tokens - 1))
+    return itls
+
+
+def run_engine_bench(
+    console: Console, profile: str, speed: float, tolerance: float, output_tokens: int, port: int, out: Path | None
+) -> int:
+    prof = load_profile(profile)
+    if (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {1})  # the load generator stays off the worker's core
+    worker = _start_worker(profile, speed, port)
+    url = f"http://127.0.0.1:{port}"
+    levels: list[Level] = []
+    try:
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        prompt_tokens = httpx.post(
+            f"{url}/tokenize", json={"messages": [{"role": "user", "content": "stream 0 of the engine benchmark"}]}
+        ).json()["count"]
+
+        def measure(n: int) -> Level:
+            itls = asyncio.run(_level(url, model, n, output_tokens))
+            predicted = statistics.mean(prof.t_dec(n, n * (prompt_tokens + k)) for k in range(1, output_tokens)) / speed
+            ordered = sorted(itls)
+            return Level(n, predicted * 1e3, statistics.mean(itls) * 1e3, ordered[int(0.99 * (len(ordered) - 1))] * 1e3)
+
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("streams", total=None)
+            n, good, bad = 1, 0, 0
+            while n <= 4096:
+                progress.update(task, description=f"{n} concurrent streams")
+                level = measure(n)
+                levels.append(level)
+                if level.excess > tolerance:
+                    bad = n
+                    break
+                good, n = n, n * 2
+            while bad and bad - good > max(1, good // 8):  # bisect between the last pass and the first miss
+                mid = (good + bad) // 2
+                progress.update(task, description=f"{mid} concurrent streams")
+                level = measure(mid)
+                levels.append(level)
+                good, bad = (mid, bad) if level.excess <= tolerance else (good, mid)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=10)
+
+    table = Table("streams", "model ITL", "measured ITL", "excess", "p99 stream ITL")
+    for level in sorted(levels, key=lambda x: x.streams):
+        table.add_row(
+            str(level.streams),
+            f"{level.predicted_itl_ms:.3f} ms",
+            f"{level.measured_itl_ms:.3f} ms",
+            f"{level.excess:+.1%}",
+            f"{level.p99_stream_itl_ms:.3f} ms",
+        )
+    console.print(table)
+    console.print(
+        f"[bold]{profile} at speed {speed:g}: one worker core sustains {good} concurrent streams "
+        f"within {tolerance:.0%} of the modelled ITL[/bold]"
+    )
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {
+                    "profile": profile,
+                    "speed": speed,
+                    "tolerance": tolerance,
+                    "output_tokens": output_tokens,
+                    "sustained_streams": good,
+                    "levels": [asdict(x) | {"excess": x.excess} for x in levels],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    return 0

@@ -1,0 +1,180 @@
+"""The `ampd` command line."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.catalog import GPUS, MODELS
+from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
+
+app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
+worker_app = typer.Typer(help="Run an inference worker.", no_args_is_help=True)
+profile_app = typer.Typer(help="Performance-model profiles.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.add_typer(worker_app, name="worker")
+app.add_typer(profile_app, name="profile")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+
+@worker_app.command("sim")
+def worker_sim(
+    role: Annotated[
+        str, typer.Option(help="prefill, decode or both (vLLM's kv_producer/kv_consumer/kv_both)")
+    ] = "both",
+    port: Annotated[int, typer.Option(help="HTTP port (also the KV side channel)")] = 8000,
+    host: Annotated[str, typer.Option(help="interface to listen on")] = "127.0.0.1",
+    profile: Annotated[str, typer.Option(help="shipped profile name or a profile file")] = DEFAULT_PROFILE,
+    speed: Annotated[float, typer.Option(help="run this many times faster than the modelled GPU")] = 1.0,
+    served_model_name: Annotated[str | None, typer.Option(help="model name clients use")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="context length served")] = None,
+    block_size: int = 16,
+    num_blocks: Annotated[int, typer.Option(help="KV blocks; 0 = from the profile's memory model")] = 0,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    enable_prefix_caching: bool = True,
+    default_output_tokens: Annotated[int, typer.Option(help="reply length when no script sets one")] = 32,
+    enable_prompt_tokens_details: bool = False,
+    kv_load_failure_policy: Annotated[str, typer.Option(help="fail or recompute")] = "fail",
+    advertise_host: Annotated[str | None, typer.Option(help="host peers use for the KV side channel")] = None,
+    log_level: str = "warning",
+) -> None:
+    """The GPU-free engine: vLLM's HTTP surface over a simulated v1 engine core."""
+    import uvicorn
+
+    from workers.sim.scheduler import SchedulerConfig
+    from workers.sim.server import WorkerConfig, create_app
+
+    if role not in ("prefill", "decode", "both"):
+        raise typer.BadParameter("role must be prefill, decode or both")
+    if kv_load_failure_policy not in ("fail", "recompute"):
+        raise typer.BadParameter("kv-load-failure-policy must be fail or recompute")
+    config = WorkerConfig(
+        profile=load_profile(profile),
+        role=role,  # type: ignore[arg-type]
+        port=port,
+        advertise_host=advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host),
+        served_model_name=served_model_name,
+        max_model_len=max_model_len,
+        speed=speed,
+        scheduler=SchedulerConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        default_output_tokens=default_output_tokens,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
+    )
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def up(
+    redis_url: Annotated[
+        str, typer.Option(envvar="REDIS_URL", help="Redis to use if it answers")
+    ] = "redis://127.0.0.1:6379/0",
+    prefill_port: int = 8101,
+    decode_port: int = 8102,
+    profile: str = DEFAULT_PROFILE,
+    speed: float = 1.0,
+) -> None:
+    """Start the local stack: Redis, one prefill and one decode GPU-free worker."""
+    from ampd.stack import run_stack
+
+    raise typer.Exit(run_stack(console, redis_url, prefill_port, decode_port, profile, speed))
+
+
+@profile_app.command("list")
+def profile_list() -> None:
+    """The shipped profiles and what they predict."""
+    table = Table("profile", "KV tokens", "T_pre(0, 700)", "T_pre(2000, 300)", "T_dec(1, 1k)", "T_dec(64, 128k)")
+    for name in shipped_profiles():
+        prof = load_profile(name)
+        table.add_row(
+            name,
+            f"{prof.kv_capacity_tokens:,}",
+            f"{prof.t_pre(0, 700) * 1e3:.1f} ms",
+            f"{prof.t_pre(2000, 300) * 1e3:.1f} ms",
+            f"{prof.t_dec(1, 1000) * 1e3:.2f} ms",
+            f"{prof.t_dec(64, 128_000) * 1e3:.2f} ms",
+        )
+    console.print(table)
+
+
+@profile_app.command("roofline")
+def profile_roofline(
+    model: Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")],
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")],
+    tp: Annotated[int, typer.Option(help="tensor-parallel degree")],
+    out: Annotated[Path | None, typer.Option(help="file to write; default: print")] = None,
+) -> None:
+    """Derive a profile from the roofline of a catalogued model and GPU."""
+    from planner.memory import MemoryPlan, fits
+    from planner.roofline import roofline_profile
+
+    if model not in MODELS or gpu not in GPUS:
+        raise typer.BadParameter(f"unknown model or GPU; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
+    if not fits(MODELS[model], GPUS[gpu], tp, MemoryPlan()):
+        raise typer.BadParameter(f"{model} does not fit on {tp} x {gpu} at {MODELS[model].max_model_len} tokens")
+    prof = roofline_profile(MODELS[model], GPUS[gpu], tp)
+    if out is None:
+        console.print_json(prof.model_dump_json())
+    else:
+        prof.dump(out)
+        console.print(f"wrote {out}")
+
+
+@profile_app.command("ship")
+def profile_ship() -> None:
+    """Regenerate the shipped roofline profiles (planner/profiles/)."""
+    from planner.roofline import paper_profiles
+
+    for prof in paper_profiles():
+        prof.dump(PROFILES_DIR / f"{prof.name}.json")
+        console.print(f"{prof.name}: forward fit error {prof.pieces.forward.max_rel_error:.2%}")
+
+
+@profile_app.command("check")
+def profile_check() -> None:
+    """The roofline next to DOPD's published Llama-3.3-70B-FP8/H100 measurements."""
+    from planner.published import compare_dopd_table_i
+    from planner.roofline import roofline_profile
+
+    prof = roofline_profile(MODELS["llama-3.3-70b-fp8"], GPUS["H100"], 1)
+    rows = compare_dopd_table_i(prof)
+    table = Table("DOPD Table I", "measured", "roofline", "error")
+    for row in rows:
+        table.add_row(
+            row.what, f"{row.measured_s * 1e3:.0f} ms", f"{row.predicted_s * 1e3:.1f} ms", f"{row.rel_error:+.1%}"
+        )
+    console.print(table)
+    errors = [abs(r.rel_error) for r in rows]
+    console.print(f"mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}")
+
+
+@bench_app.command("engine")
+def bench_engine(
+    profile: str = DEFAULT_PROFILE,
+    speed: float = 20.0,
+    tolerance: Annotated[float, typer.Option(help="allowed ITL excess over the model")] = 0.05,
+    output_tokens: int = 200,
+    port: int = 8190,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Concurrent streams one sim worker sustains on one core within the ITL tolerance."""
+    from ampd.bench_engine import run_engine_bench
+
+    raise typer.Exit(run_engine_bench(console, profile, speed, tolerance, output_tokens, port, out))
+
+
+if __name__ == "__main__":
+    app()

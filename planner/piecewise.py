@@ -1,0 +1,83 @@
+"""Piecewise alpha-beta functions: the building block of the performance model.
+
+AMPD (shared/seeds/003_517589c8db448ff1.txt, section 3) models every cost as a
+piecewise alpha-beta function: on each interval of its argument x the time is
+``alpha + beta * x`` (Hockney's latency/bandwidth model). The profiler fits one from
+measurements and the roofline derives one from first principles; both go through
+:func:`fit_piecewise` so a profile always has the same shape whatever produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Piece(BaseModel):
+    """``alpha + beta * x`` for x up to ``upto`` (the last piece has ``upto=None``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    upto: float | None = Field(description="upper end of this piece's interval; None = unbounded")
+    alpha: float = Field(description="seconds at x = 0 (latency term)")
+    beta: float = Field(description="seconds per unit of x (inverse bandwidth term)")
+
+
+class PiecewiseLinear(BaseModel):
+    """A continuous piecewise-linear cost function of one non-negative argument."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    unit: str = Field(description="what x counts, e.g. 'tokens' or 'bytes'")
+    pieces: list[Piece] = Field(min_length=1)
+    max_rel_error: float | None = Field(
+        default=None, description="largest relative error of the fit over its sample grid"
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PiecewiseLinear:
+        ends = [p.upto for p in self.pieces]
+        if ends[-1] is not None or any(e is None for e in ends[:-1]):
+            raise ValueError("only the last piece may be unbounded, and it must be")
+        if any(b <= a for a, b in zip(ends[:-2], ends[1:-1], strict=True)):
+            raise ValueError("piece ends must increase")
+        return self
+
+    def __call__(self, x: float) -> float:
+        if x <= 0:
+            return 0.0
+        for piece in self.pieces:
+            if piece.upto is None or x <= piece.upto:
+                return piece.alpha + piece.beta * x
+        raise AssertionError("unreachable: the last piece is unbounded")
+
+
+def fit_piecewise(xs: Sequence[float], ys: Sequence[float], knots: Sequence[float], unit: str) -> PiecewiseLinear:
+    """Least-squares fit of a continuous piecewise-linear function with fixed knots.
+
+    Uses the hinge basis ``1, x, max(0, x - k)`` so continuity holds by construction;
+    the fit minimises *relative* error (each row is weighted by 1/y) because costs
+    span several orders of magnitude and small tasks matter as much as large ones.
+    """
+    x = np.asarray(xs, dtype=float)
+    y = np.asarray(ys, dtype=float)
+    if x.shape != y.shape or x.size < 2:
+        raise ValueError("need at least two (x, y) samples of equal length")
+    inner = sorted(k for k in set(knots) if x.min() < k < x.max())
+    basis = np.column_stack([np.ones_like(x), x] + [np.maximum(0.0, x - k) for k in inner])
+    weight = 1.0 / np.maximum(np.abs(y), 1e-12)
+    coef, *_ = np.linalg.lstsq(basis * weight[:, None], y * weight, rcond=None)
+
+    pieces: list[Piece] = []
+    alpha, beta = float(coef[0]), float(coef[1])
+    for k, c in zip(inner, coef[2:], strict=True):
+        pieces.append(Piece(upto=k, alpha=alpha, beta=beta))
+        alpha, beta = alpha - float(c) * k, beta + float(c)
+    pieces.append(Piece(upto=None, alpha=alpha, beta=beta))
+
+    fitted = PiecewiseLinear(unit=unit, pieces=pieces)
+    predicted = np.array([fitted(v) for v in x])
+    rel = np.abs(predicted - y) / np.maximum(np.abs(y), 1e-12)
+    return fitted.model_copy(update={"max_rel_error": float(rel.max())})

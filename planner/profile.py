@@ -1,0 +1,146 @@
+"""Profiles: the performance model of one model on one GPU type at one TP degree.
+
+AMPD (shared/seeds/003_517589c8db448ff1.txt, section 3) needs three cost functions,
+all piecewise alpha-beta:
+
+* ``T_pre(l_hist, l_incr; theta)`` - prefill of ``l_incr`` new tokens after ``l_hist``
+  cached ones (initial prefill: ``l_hist = 0``);
+* ``T_dec(b, context; theta)`` - one decode step of a batch of ``b`` sequences whose
+  KV caches hold ``context`` tokens in total;
+* ``T_kv(tokens; theta_src, theta_dst)`` - moving KV between two replicas.
+
+theta is (GPU type, TP degree). All three are assembled from four fitted pieces that
+mirror what a forward pass does, so one step that mixes prefill chunks and decodes
+(continuous batching with chunked prefill) is costed by the same functions:
+
+* ``forward(tokens)``: the dense/MoE layers over all tokens in the step, including the
+  weight reads, tensor-parallel all-reduces and the fixed per-step overhead;
+* ``prefill_attention(pairs)``: causal attention of new tokens against history and
+  each other, pairs = l_incr * l_hist + l_incr * (l_incr + 1) / 2;
+* ``context_read(tokens)``: reading cached KV (decode attention, history for prefill);
+* ``kv_transfer(bytes)``: one link's transfer of KV between replicas.
+
+The profile file holds the fitted pieces and everything they were derived from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.memory import MemoryPlan
+from planner.piecewise import PiecewiseLinear
+from planner.specs import GPUSpec, ModelSpec
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "llama-3.1-8b_h100_tp1"
+
+
+class Efficiency(BaseModel):
+    """Discount factors applied to published peaks (seed 004, Eq. 2 and 5: lambda, alpha, beta)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compute: float = Field(gt=0, le=1, description="fraction of peak FLOP/s in large GEMMs")
+    attention: float = Field(gt=0, le=1, description="fraction of peak FLOP/s in prefill attention")
+    memory: float = Field(gt=0, le=1, description="fraction of HBM bandwidth achieved")
+    interconnect: float = Field(gt=0, le=1, description="fraction of NVLink bandwidth in all-reduce")
+    network: float = Field(gt=0, le=1, description="fraction of NIC bandwidth in KV transfer")
+    allreduce_latency_s: float = Field(ge=0, description="fixed cost of one all-reduce")
+    step_overhead_s: float = Field(ge=0, description="scheduler, sampling and launch cost per step")
+    kv_transfer_latency_s: float = Field(ge=0, description="fixed cost of one KV transfer")
+    source: str
+
+
+class CostPieces(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    forward: PiecewiseLinear
+    prefill_attention: PiecewiseLinear
+    context_read: PiecewiseLinear
+    kv_transfer: PiecewiseLinear
+
+
+class Profile(BaseModel):
+    """One performance-model file; see the module docstring for the cost functions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    name: str
+    method: Literal["roofline", "measured"]
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int = Field(ge=1)
+    memory: MemoryPlan
+    kv_capacity_tokens: int = Field(ge=0)
+    efficiency: Efficiency | None = Field(default=None, description="roofline inputs, if derived")
+    pieces: CostPieces
+    notes: str = ""
+
+    @property
+    def theta(self) -> tuple[str, int]:
+        return (self.gpu.name, self.tp)
+
+    def step_time(self, prefills: Iterable[tuple[int, int]] = (), decode_contexts: Sequence[int] = ()) -> float:
+        """Seconds for one engine step.
+
+        ``prefills`` are (l_hist, l_incr) chunks, ``decode_contexts`` the context length
+        of each sequence decoding one token in the same step.
+        """
+        tokens = len(decode_contexts)
+        pairs = 0.0
+        read = float(sum(decode_contexts))
+        for hist, incr in prefills:
+            tokens += incr
+            pairs += incr * hist + incr * (incr + 1) / 2
+            read += hist
+        if tokens == 0:
+            return 0.0
+        p = self.pieces
+        return p.forward(tokens) + p.prefill_attention(pairs) + p.context_read(read)
+
+    def t_pre(self, l_hist: int, l_incr: int) -> float:
+        """AMPD's T_pre(l_hist, l_incr; theta): one step prefilling l_incr tokens."""
+        return self.step_time(prefills=[(l_hist, l_incr)])
+
+    def t_dec(self, batch: int, context: int) -> float:
+        """AMPD's T_dec(b; theta), with the batch's total context as a second argument."""
+        if batch <= 0:
+            return 0.0
+        return self.pieces.forward(batch) + self.pieces.context_read(context)
+
+    def dump(self, path: Path) -> None:
+        path.write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def t_kv(tokens: int, src: Profile, dst: Profile) -> float:
+    """AMPD's T_kv(l; theta_src, theta_dst): seconds to move the KV of ``tokens`` tokens.
+
+    Every TP rank holds a slice of the KV heads and ranks transfer in parallel, one NIC
+    each, so min(tp_src, tp_dst) links share the bytes (the resharding of seed 004,
+    section III, done by the side with fewer ranks). The slower end bounds the time.
+    """
+    if tokens <= 0:
+        return 0.0
+    links = min(src.tp, dst.tp)
+    per_link = tokens * src.model.kv_bytes_per_token / links
+    return max(src.pieces.kv_transfer(per_link), dst.pieces.kv_transfer(per_link))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (``llama-3.1-70b_h20_tp4``) or any profile file by path."""
+    path = Path(name_or_path)
+    if not path.exists():
+        path = PROFILES_DIR / f"{name_or_path}.json"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
+        raise FileNotFoundError(f"no profile {name_or_path!r}; shipped profiles: {known}")
+    return Profile.model_validate_json(path.read_text())
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))

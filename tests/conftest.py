@@ -1,0 +1,32 @@
+"""Fixtures: real worker processes on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engines import Engine, start_sim_worker, stop
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("workers")
+
+
+@pytest.fixture(scope="module")
+def pd_pair(workdir) -> Iterator[tuple[Engine, Engine]]:
+    """One prefill and one decode GPU-free worker, 50x faster than the modelled H100."""
+    common = ("--speed", "50", "--block-size", "16")
+    prefill = start_sim_worker(workdir, "--role", "prefill", *common)
+    decode = start_sim_worker(workdir, "--role", "decode", *common)
+    yield prefill, decode
+    stop(prefill)
+    stop(decode)
+
+
+@pytest.fixture(scope="module")
+def engine(pd_pair) -> Engine:
+    """The engine the protocol tests talk to: the decode worker of the pair."""
+    return pd_pair[1]

@@ -1,0 +1,275 @@
+"""The GPU-free engine core in virtual time: no I/O, the test is the clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from planner.profile import load_profile
+from workers.sim.kv_cache import KVCache
+from workers.sim.request import RemotePrefill, Request, RequestStatus
+from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
+from workers.sim.tokenizer import EOS_ID
+
+PROFILE = load_profile("llama-3.1-8b_h100_tp1")
+
+
+def make_request(rid: str, prompt: list[int], out: int = 4, max_tokens: int | None = None, **kw) -> Request:
+    plan = [1000 + i for i in range(out - 1)] + [EOS_ID]
+    return Request(rid, list(prompt), plan, max_tokens or out, arrival_time=0.0, **kw)
+
+
+def tokens(n: int, start: int = 300) -> list[int]:
+    return list(range(start, start + n))
+
+
+def run(scheduler: Scheduler, now: float = 0.0, max_steps: int = 10_000, check=None) -> tuple[float, list[Step]]:
+    steps = []
+    while scheduler.has_work and len(steps) < max_steps:
+        step = scheduler.schedule(now)
+        if step.empty:
+            break
+        now += step.duration
+        scheduler.finish_step(step, now)
+        steps.append(step)
+        if check:
+            check(scheduler, step)
+    return now, steps
+
+
+def assert_kv_consistent(scheduler: Scheduler, step: Step | None = None) -> None:
+    kv = scheduler.kv
+    referenced = [b for b in kv.blocks if b.ref_cnt > 0]
+    assert len(referenced) + kv.num_free_blocks == kv.num_blocks
+    assert all(kv.blocks[b].ref_cnt == 0 for b in kv.free_queue)
+    held = sum(len(h.block_ids) for h in scheduler.held.values())
+    owned = sum(len(r.block_ids) for r in scheduler.running) + sum(len(r.block_ids) for r in scheduler.waiting)
+    assert owned + held >= len(referenced)  # shared prefix blocks are owned by several requests
+    for r in scheduler.running:
+        assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens
+    if step is not None:
+        assert step.num_tokens <= scheduler.config.max_num_batched_tokens
+
+
+def test_single_request_runs_to_its_plan_and_frees_everything():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=64))
+    r = make_request("a", tokens(40), out=5)
+    s.add_request(r)
+    run(s, check=assert_kv_consistent)
+    assert r.status == RequestStatus.FINISHED_STOPPED
+    assert r.output_token_ids == r.output_plan
+    assert s.kv.num_free_blocks == 64
+
+
+def test_max_tokens_cuts_with_length():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=64))
+    r = make_request("a", tokens(10), out=10, max_tokens=3)
+    s.add_request(r)
+    run(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH
+    assert len(r.output_token_ids) == 3
+
+
+def test_step_times_equal_the_profile():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=1024))
+    a = make_request("a", tokens(700), out=3)
+    s.add_request(a)
+    first = s.schedule(0.0)
+    assert first.duration == pytest.approx(PROFILE.t_pre(0, 700))
+    s.finish_step(first, first.duration)
+    second = s.schedule(first.duration)
+    assert second.duration == pytest.approx(PROFILE.t_dec(1, 700))
+    # A mixed step costs one forward pass over all its tokens.
+    s.finish_step(second, 1.0)
+    s.add_request(make_request("b", tokens(100, start=5000), out=3))
+    mixed = s.schedule(1.0)
+    assert [n for _, n in mixed.prefills] == [100] and mixed.decodes == [a]
+    assert mixed.duration == pytest.approx(PROFILE.step_time(prefills=[(0, 100)], decode_contexts=[701]))
+
+
+def test_prefill_before_decode_under_a_tight_budget():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=1024, max_num_batched_tokens=64))
+    decoders = [make_request(f"d{i}", tokens(16, start=1000 * (i + 1)), out=50) for i in range(8)]
+    for r in decoders:
+        s.add_request(r)
+    s.finish_step(s.schedule(0.0), 0.1)
+    while any(not r.is_decoding for r in decoders):
+        s.finish_step(s.schedule(0.2), 0.3)
+    s.add_request(make_request("long", tokens(200, start=90_000), out=3))
+    step = s.schedule(1.0)
+    # The new prefill takes the budget first (64 - 8 decodes would otherwise leave 56);
+    # decodes get only what is left: nothing.
+    assert [(r.request_id, n) for r, n in step.prefills] == [("long", 64)]
+    assert step.decodes == []
+    s.finish_step(step, 1.1)
+    # The next chunk of the long prefill also comes before any decode.
+    step = s.schedule(1.1)
+    assert [(r.request_id, n) for r, n in step.prefills] == [("long", 64)]
+    assert step.decodes == []
+
+
+def test_decodes_fill_what_prefill_leaves():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=1024, max_num_batched_tokens=64))
+    decoders = [make_request(f"d{i}", tokens(16, start=1000 * (i + 1)), out=50) for i in range(4)]
+    for r in decoders:
+        s.add_request(r)
+    s.finish_step(s.schedule(0.0), 0.1)
+    s.add_request(make_request("short", tokens(30, start=90_000), out=3))
+    step = s.schedule(1.0)
+    assert [(r.request_id, n) for r, n in step.prefills] == [("short", 30)]
+    assert sorted(r.request_id for r in step.decodes) == ["d0", "d1", "d2", "d3"]
+
+
+def test_chunked_prefill_respects_the_budget():
+    budget = 512
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=1024, max_num_batched_tokens=budget))
+    r = make_request("a", tokens(2000), out=2)
+    s.add_request(r)
+    _, steps = run(s, check=assert_kv_consistent)
+    chunks = [n for step in steps for _, n in step.prefills]
+    assert chunks == [512, 512, 512, 464]
+    assert all(step.num_tokens <= budget for step in steps)
+    # Each chunk is costed with the history computed so far.
+    assert steps[1].duration == pytest.approx(PROFILE.t_pre(512, 512))
+
+
+def test_prefix_hits_are_counted_and_skip_compute():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=256, block_size=16))
+    shared = tokens(64)
+    a = make_request("a", shared + tokens(10, start=7000), out=2)
+    s.add_request(a)
+    run(s)
+    b = make_request("b", shared + tokens(20, start=8000), out=2)
+    s.add_request(b)
+    step = s.schedule(10.0)
+    assert b.num_cached_tokens == 64
+    assert step.prefills == [(b, 20)]
+    assert step.duration == pytest.approx(PROFILE.t_pre(64, 20))
+    assert s.kv.stats.queries == 74 + 84
+    assert s.kv.stats.hits == 64
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=64, block_size=16))
+    prompt = tokens(32)
+    s.add_request(make_request("a", prompt, out=2))
+    run(s)
+    again = make_request("b", prompt, out=2)
+    s.add_request(again)
+    step = s.schedule(1.0)
+    assert again.num_cached_tokens == 16  # (32 - 1) // 16 full blocks may hit
+    assert step.prefills == [(again, 16)]
+
+
+def test_lru_evicts_a_requests_tail_before_its_prefix():
+    kv = KVCache(num_blocks=4, block_size=2)
+    blocks = kv.allocate(3)
+    kv.cache_full_blocks(blocks, [11, 12, 13])
+    kv.free(blocks)
+    assert list(kv.free_queue) == [3, blocks[2], blocks[1], blocks[0]]
+    kv.allocate(2)  # the never-used block, then the request's last block
+    assert 13 not in kv.cached and 11 in kv.cached and 12 in kv.cached
+
+
+def test_preemption_frees_blocks_and_everything_still_completes():
+    cfg = SchedulerConfig(num_blocks=24, block_size=16, max_num_batched_tokens=2048)
+    s = Scheduler(PROFILE, cfg)
+    rng = random.Random(7)
+    reqs = [
+        make_request(f"r{i}", tokens(rng.randint(20, 90), start=10_000 * (i + 1)), out=rng.randint(20, 60))
+        for i in range(12)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    preempted_blocks_freed = []
+
+    def check(sched: Scheduler, step: Step) -> None:
+        assert_kv_consistent(sched, step)
+        for victim in step.preempted:
+            preempted_blocks_freed.append(victim.block_ids == [])
+
+    run(s, check=check)
+    assert s.num_preemptions > 0
+    assert preempted_blocks_freed and all(preempted_blocks_freed)
+    assert all(r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == r.output_plan for r in reqs)
+    assert s.kv.num_free_blocks == cfg.num_blocks
+
+
+def test_random_workload_never_overcommits():
+    cfg = SchedulerConfig(num_blocks=40, block_size=16, max_num_batched_tokens=256, max_num_seqs=6)
+    s = Scheduler(PROFILE, cfg)
+    rng = random.Random(1)
+    now, arrivals = 0.0, 0
+    for _ in range(400):
+        if arrivals < 60 and rng.random() < 0.4:
+            base = rng.choice([0, 100_000, 200_000])  # shared prefixes
+            prompt = tokens(48, start=base) + tokens(rng.randint(1, 120), start=300_000 + arrivals * 1000)
+            s.add_request(make_request(f"q{arrivals}", prompt, out=rng.randint(2, 40)))
+            arrivals += 1
+        if rng.random() < 0.05 and s.running:
+            s.abort(rng.choice(s.running).request_id)
+        step = s.schedule(now)
+        now += step.duration
+        s.finish_step(step, now)
+        assert_kv_consistent(s, step)
+        assert len(s.running) <= cfg.max_num_seqs
+    run(s, now, check=assert_kv_consistent)
+    assert not s.running and not s.waiting
+    assert s.kv.num_free_blocks == cfg.num_blocks
+
+
+def test_prefill_side_holds_blocks_until_read_or_expiry():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=32, block_size=16, transfer_hold_s=5.0))
+    prompt = tokens(40)
+    p = make_request("p", prompt, out=5, max_tokens=1, do_remote_decode=True)
+    s.add_request(p)
+    _, steps = run(s)
+    assert p.status == RequestStatus.FINISHED_LENGTH
+    held = s.held["p"].block_ids
+    assert len(held) == 3 and s.kv.num_free_blocks == 29
+    blocks = s.read_held("p", held[1:])
+    assert blocks == [prompt[16:32], prompt[32:40]]
+    assert s.read_held("p", [held[0], 999]) is None
+    assert s.release_transfer("p") and s.kv.num_free_blocks == 32
+    # Unread holds expire.
+    q = make_request("q", tokens(40, start=5000), out=5, max_tokens=1, do_remote_decode=True)
+    s.add_request(q)
+    now, _ = run(s, now=100.0)
+    s.schedule(now + 6.0)
+    assert "q" not in s.held and s.num_expired_holds == 1 and s.kv.num_free_blocks == 32
+
+
+def test_decode_side_pulls_only_the_blocks_it_lacks_and_recomputes_the_last_token():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=64, block_size=16))
+    history = tokens(48)
+    s.add_request(make_request("round1", history + tokens(1, start=9000), out=2))
+    run(s)  # 3 full blocks of history are now cached here
+    prompt = history + tokens(30, start=9500)  # 78 tokens: 5 blocks
+    remote = RemotePrefill("engine-p", "127.0.0.1", 1, "p-req", block_ids=(40, 41, 42, 43, 44))
+    r = make_request("round2", prompt, out=3, remote_prefill=remote)
+    s.add_request(r)
+    step = s.schedule(1.0)
+    assert step.empty and len(step.kv_loads) == 1
+    load = step.kv_loads[0]
+    assert load.remote_block_ids == [43, 44] and load.first_token == 48 and load.num_tokens == 30
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and not s.has_work
+    s.finish_kv_load("round2", ok=True)
+    step = s.schedule(2.0)
+    assert step.prefills == [(r, 1)]
+    assert step.duration == pytest.approx(PROFILE.t_pre(77, 1))
+    run(s, 2.0)
+    assert r.output_token_ids == r.output_plan
+
+
+def test_failed_remote_load_can_be_recomputed_locally():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=64, block_size=16))
+    remote = RemotePrefill("engine-p", "127.0.0.1", 1, "p-req", block_ids=(1, 2, 3))
+    r = make_request("r", tokens(40), out=3, remote_prefill=remote)
+    s.add_request(r)
+    s.schedule(0.0)
+    s.finish_kv_load("r", ok=False)
+    step = s.schedule(1.0)
+    assert step.prefills == [(r, 40)]
+    run(s, 1.0, check=assert_kv_consistent)
+    assert r.output_token_ids == r.output_plan and s.kv.num_free_blocks == 64

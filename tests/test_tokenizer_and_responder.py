@@ -1,0 +1,121 @@
+"""The sim engine's tokenizer, chat template and reply planning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workers.sim.responder import Length, Responder, ScriptError, SimScript
+from workers.sim.tokenizer import EOS_ID, Tokenizer, render_chat
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "retrieve",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "k": {"type": "integer"}},
+                "required": ["query", "k"],
+            },
+        },
+    }
+]
+tok = Tokenizer(128256)
+responder = Responder(tok)
+LONG = Length(max_tokens=1000)
+
+
+def reply_for(messages, script=None, seed=None, tool_choice="auto", length=LONG):
+    text = render_chat(messages, TOOLS)
+    return text, responder.chat(messages, TOOLS, tool_choice, True, script, seed, text, length)
+
+
+def as_message(reply) -> dict:
+    msg = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        msg["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in reply.tool_calls
+        ]
+    return msg
+
+
+def test_pieces_partition_the_text_and_ids_are_stable():
+    text = "Hello,  world!\n\n  foo_bar 42 <|start|>x<tool_call>{}</tool_call>"
+    assert "".join(tok.pieces(text)) == text
+    assert tok.encode(text) == Tokenizer(128256).encode(text)
+    assert all(0 < t < 128256 for t in tok.encode(text))
+
+
+def test_next_round_prompt_extends_previous_prompt_and_output():
+    """The property prefix caching and incremental prefill rest on."""
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Find   x\tplease"}]
+    for _ in range(3):
+        text, reply = reply_for(messages)
+        prompt = tok.encode(text)
+        messages = messages + [as_message(reply)]
+        if reply.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": " result:  \n x=1"})
+        else:
+            messages.append({"role": "user", "content": "and y?"})
+        following = tok.encode(render_chat(messages, TOOLS))
+        assert following[: len(prompt) + len(reply.token_ids)] == prompt + reply.token_ids
+
+
+def test_default_policy_calls_a_tool_then_answers():
+    messages = [{"role": "user", "content": "What is AMPD?"}]
+    _, first = reply_for(messages)
+    assert [c.name for c in first.tool_calls] == ["retrieve"]
+    assert json.loads(first.tool_calls[0].arguments) == {"query": "What is AMPD?", "k": 1}
+    messages += [as_message(first), {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "doc"}]
+    _, second = reply_for(messages)
+    assert not second.tool_calls and second.token_ids[-1] == EOS_ID
+    assert len(second.token_ids) == responder.default_output_tokens
+
+
+def test_output_is_deterministic_given_a_seed():
+    messages = [{"role": "user", "content": "hi"}]
+    a = reply_for(messages, seed=3, tool_choice="none")[1]
+    b = reply_for(messages, seed=3, tool_choice="none")[1]
+    c = reply_for(messages, seed=4, tool_choice="none")[1]
+    assert a == b and a.text != c.text
+
+
+def test_script_fixes_rounds_lengths_and_calls():
+    script = SimScript.model_validate(
+        {
+            "rounds": [
+                {"output_tokens": 40, "tool_calls": [{"name": "retrieve", "arguments": {"query": "a", "k": 2}}]},
+                {"output_tokens": 7},
+            ]
+        }
+    )
+    messages = [{"role": "user", "content": "q"}]
+    _, first = reply_for(messages, script=script)
+    assert len(first.token_ids) == 40 and first.content and first.tool_calls[0].arguments == '{"query": "a", "k": 2}'
+    messages += [as_message(first), {"role": "tool", "content": "r"}]
+    _, second = reply_for(messages, script=script)
+    assert len(second.token_ids) == 7 and not second.tool_calls
+
+
+def test_script_naming_an_unoffered_tool_is_an_error():
+    script = SimScript.model_validate({"rounds": [{"tool_calls": [{"name": "nope"}]}]})
+    with pytest.raises(ScriptError):
+        reply_for([{"role": "user", "content": "q"}], script=script)
+
+
+def test_stop_string_ends_the_reply_before_it():
+    messages = [{"role": "user", "content": "hi"}]
+    full = reply_for(messages, seed=1, tool_choice="none")[1]
+    stop = full.pieces[5].strip()
+    cut = reply_for(messages, seed=1, tool_choice="none", length=Length(1000, stop=(stop,)))[1]
+    assert cut.stop_reason == stop and stop not in cut.text
+    assert full.text.startswith(cut.text) and len(cut.token_ids) <= 6
+
+
+def test_ignore_eos_generates_exactly_max_tokens():
+    messages = [{"role": "user", "content": "hi"}]
+    reply = reply_for(messages, tool_choice="none", length=Length(max_tokens=50, ignore_eos=True))[1]
+    assert len(reply.token_ids) == 50 and EOS_ID not in reply.token_ids

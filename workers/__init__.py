@@ -1,0 +1,1 @@
+"""Inference engines: the GPU-free engine (sim) and the vLLM launcher."""

@@ -1,0 +1,357 @@
+"""The engine core's scheduler: a pure state machine, stepped by its caller's clock.
+
+Modelled on vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py): continuous
+batching under a per-step token budget (``max_num_batched_tokens``) with chunked
+prefill, at most ``max_num_seqs`` running requests, paged KV with prefix caching
+(workers.sim.kv_cache), and recompute preemption when the cache runs out.
+
+One deliberate difference: the budget goes to prefill work first and decodes take
+what is left. That is the behaviour AMPD assumes (shared/seeds/003_517589c8db448ff1.txt,
+section 3, footnote 3: prefill tasks are prioritised over decoding), and it is what
+makes a local incremental prefill pause the decode batch it lands on.
+
+The caller drives it::
+
+    step = scheduler.schedule(now)          # what runs, and how long it takes (profile)
+    ... wait step.duration (real or virtual) ...
+    outputs = scheduler.finish_step(step, now)
+
+Disaggregated prefill follows vLLM's NixlConnector: a ``do_remote_decode`` request
+keeps its blocks after finishing until the decoder has read them
+(:meth:`release_transfer`) or the hold expires; a request with ``remote_prefill``
+allocates blocks for the prompt tokens it has no cache hit for, waits in
+WAITING_FOR_REMOTE_KVS while the caller pulls them (:attr:`Step.kv_loads`), and
+after :meth:`finish_kv_load` recomputes only its last prompt token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from planner.profile import Profile
+from workers.sim.kv_cache import KVCache
+from workers.sim.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # 0: from the profile's KV capacity
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    transfer_hold_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Blocks to pull from a remote prefill engine into this engine's ``local_block_ids``."""
+
+    request: Request
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
+    first_token: int  # position in the prompt of the first token pulled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_prompt_tokens - self.first_token
+
+
+@dataclass
+class Step:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    duration: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+    held_block_ids: tuple[int, ...] = ()  # prefill-only: blocks kept for the remote decoder
+
+
+@dataclass
+class _Hold:
+    block_ids: list[int]
+    prompt_token_ids: list[int]
+    expires_at: float
+
+
+class Scheduler:
+    def __init__(self, profile: Profile, config: SchedulerConfig = SchedulerConfig()) -> None:
+        num_blocks = config.num_blocks or profile.kv_capacity_tokens // config.block_size
+        self.profile = profile
+        self.config = config
+        self.kv = KVCache(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, _Hold] = {}
+        self.num_preemptions = 0
+        self.num_expired_holds = 0
+
+    # -- intake ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        if self.kv.blocks_for(request.num_prompt_tokens + 1) > self.kv.num_blocks:
+            raise ValueError("prompt larger than the whole KV cache")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running) or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+
+    # -- one step ----------------------------------------------------------------
+    def schedule(self, now: float) -> Step:
+        self._expire_holds(now)
+        step = Step()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        # 1. Prefill first: running requests mid-prefill (chunked), oldest first ...
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.is_decoding or request.status != RequestStatus.RUNNING:
+                continue  # decodes come last; victims of an earlier preemption are out
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._reserve(request, n, step, scheduled):
+                step.prefills.append((request, n))
+                scheduled.add(request.request_id)
+                budget -= n
+
+        # 2. ... then admissions from the waiting queue, in order.
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())
+                continue
+            n = self._admit(request, budget, step)
+            if n is None:
+                break
+            self.waiting.popleft()
+            if n == 0:  # parked until its remote KV arrives
+                skipped.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.prefills.append((request, n))
+            scheduled.add(request.request_id)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+        # 3. Decodes take the rest of the budget.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if not request.is_decoding or request.request_id in scheduled:
+                continue
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if self._reserve(request, 1, step, scheduled):
+                step.decodes.append(request)
+                scheduled.add(request.request_id)
+                budget -= 1
+
+        step.duration = self.profile.step_time(
+            prefills=[(r.num_computed_tokens, n) for r, n in step.prefills],
+            decode_contexts=[r.num_computed_tokens for r in step.decodes],
+        )
+        return step
+
+    def finish_step(self, step: Step, now: float) -> list[RequestOutput]:
+        """Apply a step's results: advance progress, sample planned tokens, finish."""
+        outputs: list[RequestOutput] = []
+        done = [(r, n) for r, n in step.prefills] + [(r, 1) for r in step.decodes]
+        for request, n in done:
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += n
+            self._cache_computed_blocks(request)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a chunk of a longer prefill: nothing sampled yet
+            token = request.next_planned_token()
+            request.append_output(token)
+            status = request.stop_status()
+            if status is None:
+                outputs.append(RequestOutput(request, [token], finished=False))
+                continue
+            outputs.append(self._finish(request, status, token, now))
+        return outputs
+
+    # -- disaggregation ----------------------------------------------------------
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        """The caller pulled (or failed to pull) a request's remote KV."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            return
+        request.status = RequestStatus.WAITING
+        if ok:
+            # All prompt KV is here; the last prompt token is recomputed to sample from.
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+            self._cache_computed_blocks(request)
+        # On failure the blocks stay allocated and the missing tokens are prefilled
+        # locally (vLLM's "recompute" load-failure policy).
+
+    def release_transfer(self, request_id: str) -> bool:
+        """The remote decoder has read these blocks: free them."""
+        hold = self.held.pop(request_id, None)
+        if hold is None:
+            return False
+        self.kv.free(hold.block_ids)
+        return True
+
+    def read_held(self, request_id: str, block_ids: list[int]) -> list[list[int]] | None:
+        """The token ids each requested held block stores (the sim's stand-in for KV).
+
+        None if the request holds no blocks (never existed, already read, expired) or
+        a block id is not one of its blocks.
+        """
+        hold = self.held.get(request_id)
+        if hold is None:
+            return None
+        size = self.kv.block_size
+        position = {b: i for i, b in enumerate(hold.block_ids)}
+        if any(b not in position for b in block_ids):
+            return None
+        return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
+
+    # -- internals ---------------------------------------------------------------
+    def _admit(self, request: Request, budget: int, step: Step) -> int | None:
+        """Take cache hits and blocks for a waiting request.
+
+        Returns the tokens to prefill this step, 0 if it now waits for remote KV, or
+        None if the cache cannot take it yet (admission never preempts).
+        """
+        first_admission = request.num_computed_tokens == 0 and not request.block_ids
+        if first_admission:
+            request.update_block_hashes(self.kv.block_size)
+            hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        else:  # a failed remote load keeps its blocks and resumes its prefill
+            hits = []
+        hit_tokens = len(hits) * self.kv.block_size
+
+        if request.remote_prefill is not None and first_admission:
+            needed = self.kv.blocks_for(request.num_prompt_tokens) - len(hits)
+            if not self.kv.can_allocate(needed, hits):
+                return None
+            self._take(request, hits)
+            new_blocks = self.kv.allocate(needed)
+            request.block_ids += new_blocks
+            request.num_computed_tokens = hit_tokens
+            remote = list(request.remote_prefill.block_ids)
+            step.kv_loads.append(KVLoad(request, new_blocks, remote[len(remote) - needed :], first_token=hit_tokens))
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return 0
+
+        n = min(request.num_tokens - hit_tokens - request.num_computed_tokens, budget)
+        total = request.num_computed_tokens + hit_tokens + n
+        needed = max(0, self.kv.blocks_for(total) - len(request.block_ids) - len(hits))
+        if not self.kv.can_allocate(needed, hits):
+            return None
+        if first_admission:
+            self._take(request, hits)
+            request.num_computed_tokens = hit_tokens
+        request.block_ids += self.kv.allocate(needed)
+        return n
+
+    def _take(self, request: Request, hits: list[int]) -> None:
+        self.kv.touch(hits)
+        request.block_ids = list(hits)
+        request.num_cached_blocks = len(hits)
+        hit_tokens = len(hits) * self.kv.block_size
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = hit_tokens
+            self.kv.record_query(request.num_tokens, hit_tokens)
+
+    def _reserve(self, request: Request, n: int, step: Step, scheduled: set[str]) -> bool:
+        """Blocks for ``n`` more tokens of a running request, preempting if needed.
+
+        Victims come from the tail of the running list (the most recently admitted)
+        and are never requests already scheduled in this step. Returns False if the
+        request itself had to be preempted.
+        """
+        needed = max(0, self.kv.blocks_for(request.num_computed_tokens + n) - len(request.block_ids))
+        while not self.kv.can_allocate(needed):
+            victim = next(
+                (r for r in reversed(self.running) if r.request_id not in scheduled and r is not request),
+                request,
+            )
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        request.block_ids += self.kv.allocate(needed)
+        return True
+
+    def _preempt(self, request: Request, step: Step) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        step.preempted.append(request)
+
+    def _cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks in the prefix cache."""
+        full = request.num_computed_tokens // self.kv.block_size
+        if full <= request.num_cached_blocks:
+            return
+        request.update_block_hashes(self.kv.block_size)
+        start = request.num_cached_blocks
+        self.kv.cache_full_blocks(request.block_ids[start:full], request.block_hashes[start:full])
+        request.num_cached_blocks = full
+
+    def _finish(self, request: Request, status: RequestStatus, token: int, now: float) -> RequestOutput:
+        request.status = status
+        self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        if request.do_remote_decode:
+            self.held[request.request_id] = _Hold(
+                request.block_ids, request.prompt_token_ids, now + self.config.transfer_hold_s
+            )
+            held = tuple(request.block_ids)
+            request.block_ids = []
+            return RequestOutput(request, [token], finished=True, held_block_ids=held)
+        self._free(request)
+        return RequestOutput(request, [token], finished=True)
+
+    def _free(self, request: Request) -> None:
+        if request.block_ids:
+            self.kv.free(request.block_ids)
+            request.block_ids = []
+        request.num_cached_blocks = 0
+
+    def _expire_holds(self, now: float) -> None:
+        for request_id in [k for k, h in self.held.items() if h.expires_at <= now]:
+            self.release_transfer(request_id)
+            self.num_expired_holds += 1
