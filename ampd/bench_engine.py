@@ -13,8 +13,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from ampd.processes import spawn_sim_worker, wait_healthy
 from planner.profile import load_profile
 
 
@@ -37,43 +36,6 @@ class Level:
     @property
     def excess(self) -> float:
         return self.measured_itl_ms / self.predicted_itl_ms - 1
-
-
-def _pin(cpu: int):
-    def pin() -> None:
-        os.sched_setaffinity(0, {cpu})
-
-    return pin
-
-
-def _start_worker(profile: str, speed: float, port: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "ampd.cli",
-        "worker",
-        "sim",
-        "--port",
-        str(port),
-        "--profile",
-        profile,
-        "--speed",
-        str(speed),
-        "--max-num-seqs",
-        "4096",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=_pin(0))
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("the sim worker did not start")
-        time.sleep(0.1)
 
 
 async def _stream(host: str, port: int, body: bytes) -> tuple[float, float, int]:
@@ -132,8 +94,12 @@ def run_engine_bench(
     prof = load_profile(profile)
     if (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the load generator stays off the worker's core
-    worker = _start_worker(profile, speed, port)
-    url = f"http://127.0.0.1:{port}"
+    options = ["--profile", profile, "--speed", str(speed), "--max-num-seqs", "4096"]
+    worker = spawn_sim_worker("sim worker", port, options, cpu=0)
+    if wait_healthy([worker], timeout_s=30) is not None:
+        worker.stop()
+        raise RuntimeError("the sim worker did not start")
+    url = worker.url
     levels: list[Level] = []
     try:
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
@@ -165,8 +131,7 @@ def run_engine_bench(
                 levels.append(level)
                 good, bad = (mid, bad) if level.excess <= tolerance else (good, mid)
     finally:
-        worker.terminate()
-        worker.wait(timeout=10)
+        worker.stop()
 
     table = Table("streams", "model ITL", "measured ITL", "excess", "p99 stream ITL")
     for level in sorted(levels, key=lambda x: x.streams):

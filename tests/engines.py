@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
+from ampd.processes import Child, spawn_sim_worker, wait_healthy
 
 
 @dataclass
@@ -21,7 +19,7 @@ class Engine:
 
     url: str
     model: str
-    process: subprocess.Popen | None = None
+    child: Child | None = None
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by name plus sorted labels (model/engine dropped)."""
@@ -35,39 +33,20 @@ class Engine:
         return out
 
 
-def start_sim_worker(tmp: Path, *args: str, timeout_s: float = 30.0) -> Engine:
+def start_sim_worker(tmp: Path, *options: str, timeout_s: float = 30.0) -> Engine:
     port = free_port()
-    log = (tmp / f"worker-{port}.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ampd.cli", "worker", "sim", "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"worker exited: {(tmp / f'worker-{port}.log').read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("worker did not become healthy")
-        time.sleep(0.1)
-    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-    return Engine(url, model, process)
+    log = tmp / f"worker-{port}.log"
+    child = spawn_sim_worker("sim worker", port, options, log=log)
+    if wait_healthy([child], timeout_s) is not None:
+        child.stop()
+        raise RuntimeError(f"worker did not become healthy: {log.read_text()}")
+    model = httpx.get(f"{child.url}/v1/models").json()["data"][0]["id"]
+    return Engine(child.url, model, child)
 
 
 def stop(engine: Engine) -> None:
-    if engine.process is not None:
-        engine.process.terminate()
-        try:
-            engine.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            engine.process.kill()
+    if engine.child is not None:
+        engine.child.stop()
 
 
 def sse_events(response: httpx.Response) -> list[dict | str]:

@@ -26,10 +26,10 @@ def tool_reply():
 
 
 def test_fast_delta_chunk_equals_the_generic_chunk():
-    ids = p.ResponseIds("chatcmpl-abc", 'model "quoted"')
+    ids = p.ResponseIds("chatcmpl-abc", 'model "quoted"', "chat.completion.chunk")
     delta = {"content": None, "tool_calls": [{"index": 0, "function": {"arguments": '{"a": "\\u00e9"}'}}]}
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": None}
-    assert p.delta_chunk_sse(ids, delta) == p.sse(p.chat_chunk(ids, choice))
+    assert p.delta_chunk_sse(ids, delta) == p.sse(p.chunk(ids, choice))
 
 
 def test_streamed_tool_call_deltas_rebuild_the_call():

@@ -163,6 +163,7 @@ class ResponseIds:
 
     id: str
     model: str
+    chunk_object: str  # "chat.completion.chunk" or "text_completion"
     created: int = field(default_factory=lambda: int(time.time()))
     fingerprint: str = SYSTEM_FINGERPRINT_PREFIX
     chunk_head: str | None = None  # cached by delta_chunk_sse
@@ -206,32 +207,10 @@ def chat_response(
     usage: Usage,
     kv_transfer_params: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    return {
-        "id": ids.id,
-        "object": "chat.completion",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "token_ids": None,
-                "routed_experts": None,
-            }
-        ],
-        "service_tier": None,
-        "system_fingerprint": ids.fingerprint,
-        "usage": usage.body(),
-        "prompt_logprobs": None,
-        "prompt_token_ids": None,
-        "prompt_text": None,
-        "kv_transfer_params": kv_transfer_params,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+              "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}  # fmt: skip
+    return _response(ids, "chat.completion", choice, usage, kv_transfer_params,
+                     prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)  # fmt: skip
 
 
 def completion_response(
@@ -242,27 +221,30 @@ def completion_response(
     usage: Usage,
     kv_transfer_params: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason,
+              "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}  # fmt: skip
+    return _response(ids, "text_completion", choice, usage, kv_transfer_params)
+
+
+def _response(
+    ids: ResponseIds,
+    kind: str,
+    choice: dict[str, Any],
+    usage: Usage,
+    kv_transfer_params: dict[str, Any] | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A non-streaming body: every field present, nulls included, in vLLM's order."""
     return {
         "id": ids.id,
-        "object": "text_completion",
+        "object": kind,
         "created": ids.created,
         "model": ids.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "token_ids": None,
-                "prompt_logprobs": None,
-                "prompt_token_ids": None,
-                "routed_experts": None,
-            }
-        ],
+        "choices": [choice],
         "service_tier": None,
         "system_fingerprint": ids.fingerprint,
         "usage": usage.body(),
+        **extra,
         "kv_transfer_params": kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
@@ -275,11 +257,11 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any]) -> str:
-    """``sse(chat_chunk(...))`` for a plain mid-stream delta, the hot path, without
+    """``sse(chunk(...))`` for a plain mid-stream delta, the hot path, without
     re-encoding the parts every chunk shares."""
     if ids.chunk_head is None:
         ids.chunk_head = (
-            f'data: {{"id":{json.dumps(ids.id)},"object":"chat.completion.chunk","created":{ids.created},'
+            f'data: {{"id":{json.dumps(ids.id)},"object":"{ids.chunk_object}","created":{ids.created},'
             f'"model":{json.dumps(ids.model)},"choices":[{{"index":0,"delta":'
         )
     return f"{ids.chunk_head}{json.dumps(delta, separators=(',', ':'))}{_DELTA_TAIL}"
@@ -288,22 +270,11 @@ def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any]) -> str:
 _DELTA_TAIL = ',"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
 
 
-def chat_chunk(ids: ResponseIds, choice: dict[str, Any] | None, **top: Any) -> dict[str, Any]:
+def chunk(ids: ResponseIds, choice: dict[str, Any] | None, **top: Any) -> dict[str, Any]:
+    """One stream chunk; ``choice`` None gives the usage chunk's empty choices."""
     body: dict[str, Any] = {
         "id": ids.id,
-        "object": "chat.completion.chunk",
-        "created": ids.created,
-        "model": ids.model,
-        "choices": [] if choice is None else [choice],
-    }
-    body.update(top)
-    return body
-
-
-def completion_chunk(ids: ResponseIds, choice: dict[str, Any] | None, **top: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": ids.id,
-        "object": "text_completion",
+        "object": ids.chunk_object,
         "created": ids.created,
         "model": ids.model,
         "choices": [] if choice is None else [choice],

@@ -291,17 +291,14 @@ def create_app(config: WorkerConfig) -> FastAPI:
             )
         except ScriptError as exc:
             raise p.EngineError(400, str(exc), param="sim_script") from exc
-        ids = p.ResponseIds(f"chatcmpl-{_request_id(request)}", w.config.model_name)
+        ids = p.ResponseIds(f"chatcmpl-{_request_id(request)}", w.config.model_name, "chat.completion.chunk")
         stream = _submit(w, ids, prompt_ids, reply, length, body.kv_transfer_params)
         if body.stream:
             return _sse(_chat_stream(w, body, ids, stream, reply), w, stream)
-        events = await _collect(w, stream, request)
-        if events is None:
-            return Response(status_code=499)
-        n = sum(len(e.token_ids) for e in events)
-        final = events[-1]
-        if final.error:
-            return _internal_error()
+        outcome = await _run_to_end(w, stream, request)
+        if isinstance(outcome, Response):
+            return outcome
+        n, final = outcome
         done = reply.prefix(n)
         tool_choice, parses = body.effective_tool_choice, body.parses_tools
         message = p.chat_message(done, done.text, tool_choice, parses)
@@ -317,18 +314,15 @@ def create_app(config: WorkerConfig) -> FastAPI:
         prompt_text, prompt_ids = _completion_prompt(w, body)
         length = _length(body, w.max_tokens_for(len(prompt_ids), body.max_tokens, "max_tokens"))
         reply = w.responder.completion(prompt_text, body.sim_script, body.seed, length)
-        ids = p.ResponseIds(f"cmpl-{_request_id(request)}", w.config.model_name)
+        ids = p.ResponseIds(f"cmpl-{_request_id(request)}", w.config.model_name, "text_completion")
         stream = _submit(w, ids, prompt_ids, reply, length, body.kv_transfer_params)
         echo = prompt_text if body.echo else ""
         if body.stream:
             return _sse(_completion_stream(w, body, ids, stream, reply, echo), w, stream)
-        events = await _collect(w, stream, request)
-        if events is None:
-            return Response(status_code=499)
-        n = sum(len(e.token_ids) for e in events)
-        final = events[-1]
-        if final.error:
-            return _internal_error()
+        outcome = await _run_to_end(w, stream, request)
+        if isinstance(outcome, Response):
+            return outcome
+        n, final = outcome
         done = reply.prefix(n)
         stop_reason = done.stop_reason if final.finish_reason == "stop" else None
         kv_out = w.kv_params_out(stream.request, final.held_block_ids)
@@ -421,9 +415,20 @@ def _completion_prompt(w: SimWorker, body: p.CompletionRequest) -> tuple[str, li
     return " ".join(map(str, prompt)), list(prompt)
 
 
+async def _run_to_end(w: SimWorker, stream: RequestStream, request: Request) -> tuple[int, StreamEvent] | Response:
+    """(tokens generated, final event) of a non-streamed request, or the response to
+    send instead: 500 if it failed, 499 if the client went away (it is then aborted
+    and its KV freed, as vLLM does)."""
+    events = await _collect(w, stream, request)
+    if events is None:
+        return Response(status_code=499)
+    if events[-1].error:
+        return JSONResponse(p.error_body(500, "Internal server error", "InternalServerError"), status_code=500)
+    return sum(len(e.token_ids) for e in events), events[-1]
+
+
 async def _collect(w: SimWorker, stream: RequestStream, request: Request) -> list[StreamEvent] | None:
-    """All of a request's events; None if the client went away first (the request is
-    then aborted and its KV freed, as vLLM does)."""
+    """All of a request's events; None if the client went away first."""
     events: list[StreamEvent] = []
 
     async def consume() -> None:
@@ -475,10 +480,6 @@ def _stream_error() -> str:
     return p.sse(p.error_body(500, "Internal server error", "InternalServerError")) + p.sse("[DONE]")
 
 
-def _internal_error() -> JSONResponse:
-    return JSONResponse(p.error_body(500, "Internal server error", "InternalServerError"), status_code=500)
-
-
 async def _chat_stream(
     w: SimWorker, body: p.ChatCompletionRequest, ids: p.ResponseIds, stream: RequestStream, reply: Reply
 ) -> AsyncIterator[str]:
@@ -494,7 +495,7 @@ async def _chat_stream(
         if n == 0:
             role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             extra = {"usage": w.usage(stream, 0).body(details=False)} if continuous else {}
-            yield p.sse(p.chat_chunk(ids, role, prompt_token_ids=None, prompt_text=None, **extra))
+            yield p.sse(p.chunk(ids, role, prompt_token_ids=None, prompt_text=None, **extra))
         delta = _merge([deltas[i] for i in range(n, n + len(event.token_ids))])
         n += len(event.token_ids)
         streamed_call = streamed_call or bool(delta and delta.get("tool_calls"))
@@ -502,7 +503,7 @@ async def _chat_stream(
         if not event.finished:
             if delta is not None and extra:
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": None}
-                yield p.sse(p.chat_chunk(ids, choice, **extra))
+                yield p.sse(p.chunk(ids, choice, **extra))
             elif delta is not None:
                 yield p.delta_chunk_sse(ids, delta)
             continue
@@ -520,10 +521,10 @@ async def _chat_stream(
         }
         if not options.include_usage:
             extra["system_fingerprint"] = ids.fingerprint
-        yield p.sse(p.chat_chunk(ids, choice, **extra))
+        yield p.sse(p.chunk(ids, choice, **extra))
         if options.include_usage:
             usage = w.usage(stream, n).body(details=False)
-            yield p.sse(p.chat_chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
+            yield p.sse(p.chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
         yield p.sse("[DONE]")
 
 
@@ -552,11 +553,11 @@ async def _completion_stream(
         extra: dict[str, Any] = {"usage": w.usage(stream, n).body(details=False)} if continuous else {}
         if event.finished and not options.include_usage:
             extra["system_fingerprint"] = ids.fingerprint
-        yield p.sse(p.completion_chunk(ids, choice, **extra))
+        yield p.sse(p.chunk(ids, choice, **extra))
         if event.finished:
             if options.include_usage:
                 usage = w.usage(stream, n).body(details=False)
-                yield p.sse(p.completion_chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
+                yield p.sse(p.chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
             yield p.sse("[DONE]")
 
 
