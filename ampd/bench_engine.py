@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from ampd.loadgen import stream_chat
 from ampd.processes import spawn_sim_worker, wait_healthy
 from planner.profile import load_profile
 
@@ -38,35 +38,7 @@ class Level:
         return self.measured_itl_ms / self.predicted_itl_ms - 1
 
 
-async def _stream(host: str, port: int, body: bytes) -> tuple[float, float, int]:
-    """(first arrival, last arrival, data events) of one streamed completion.
-
-    A bare HTTP/1.1 exchange over asyncio streams rather than an HTTP client library:
-    at tens of thousands of events a second a library's per-chunk cost would make the
-    load generator, not the worker, the bottleneck. Events are counted, not parsed.
-    """
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    await writer.drain()
-    first = last = 0.0
-    events = 0
-    tail = b""
-    while chunk := await reader.read(65536):
-        now = time.perf_counter()
-        first = first or now
-        last = now
-        window = tail + chunk
-        events += window.count(b"data: {") - tail.count(b"data: {")
-        tail = window[-8:]
-    writer.close()
-    return first, last, events
-
-
 async def _level(url: str, model: str, streams: int, output_tokens: int) -> list[float]:
-    host, port = url.removeprefix("http://").split(":")
     bodies = [
         json.dumps(
             {
@@ -79,13 +51,10 @@ async def _level(url: str, model: str, streams: int, output_tokens: int) -> list
         ).encode()
         for i in range(streams)
     ]
-    results = await asyncio.gather(*(_stream(host, int(port), b) for b in bodies))
-    itls = []
-    for first, last, events in results:
-        if events < output_tokens:
-            raise RuntimeError(f"a stream delivered {events} events for {output_tokens} tokens")
-        itls.append((last - first) / (output_tokens - 1))
-    return itls
+    results = await asyncio.gather(*(stream_chat(url, b) for b in bodies))
+    if any(r.events < output_tokens for r in results):
+        raise RuntimeError(f"a stream delivered fewer events than its {output_tokens} tokens")
+    return [(r.last_event - r.first_event) / (output_tokens - 1) for r in results]
 
 
 def run_engine_bench(

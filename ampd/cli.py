@@ -43,6 +43,8 @@ def worker_sim(
     enable_prompt_tokens_details: bool = False,
     kv_load_failure_policy: Annotated[str, typer.Option(help="fail or recompute")] = "fail",
     advertise_host: Annotated[str | None, typer.Option(help="host peers use for the KV side channel")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="register in this Redis (worker registry)")] = None,
+    redis_prefix: str = "ampd",
     log_level: str = "warning",
 ) -> None:
     """The GPU-free engine: vLLM's HTTP surface over a simulated v1 engine core."""
@@ -73,6 +75,67 @@ def worker_sim(
         default_output_tokens=default_output_tokens,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
+        redis_url=redis_url,
+        redis_prefix=redis_prefix,
+    )
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+
+
+@app.command()
+def gateway(
+    port: int = 8000,
+    host: str = "127.0.0.1",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+    policy: Annotated[
+        str, typer.Option(help="ampd, disagg, coloc, continuum, ampd-routing-only, ampd-reorder-only")
+    ] = "ampd",
+    alpha: float = 0.9,
+    beta: float = 0.85,
+    reorder_window: int = 3,
+    ttft_slo: Annotated[
+        float | None, typer.Option(help="TTFT threshold in seconds (default: scale x unloaded)")
+    ] = None,
+    itl_slo: Annotated[float | None, typer.Option(help="ITL threshold in seconds (default: scale x unloaded)")] = None,
+    slo_scale: float = 5.0,
+    prefill_slots: int = 1,
+    max_queue: int = 1024,
+    api_key: Annotated[
+        list[str] | None, typer.Option(envvar="AMPD_API_KEYS", help="accepted key (repeat); 'sha256:<hex>' for hashed")
+    ] = None,
+    worker: Annotated[list[str] | None, typer.Option(help="static worker: ROLE=URL[@PROFILE[@SPEED]] (repeat)")] = None,
+    log_level: str = "warning",
+) -> None:
+    """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig, StaticWorker
+
+    static = []
+    for spec in worker or []:
+        role, _, rest = spec.partition("=")
+        url, *extra = rest.split("@")
+        fields = {"url": url, "role": role}
+        if extra:
+            fields["profile"] = extra[0]
+        if len(extra) > 1:
+            fields["speed"] = float(extra[1])
+        static.append(StaticWorker.model_validate(fields))
+    config = GatewayConfig(
+        redis_url=redis_url,
+        key_prefix=redis_prefix,
+        policy=policy,
+        alpha=alpha,
+        beta=beta,
+        reorder_window=reorder_window,
+        ttft_slo_s=ttft_slo,
+        itl_slo_s=itl_slo,
+        slo_scale=slo_scale,
+        prefill_slots=prefill_slots,
+        max_queue=max_queue,
+        api_keys=tuple(api_key or ()),
+        static_workers=tuple(static),
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
 
@@ -82,15 +145,17 @@ def up(
     redis_url: Annotated[
         str, typer.Option(envvar="REDIS_URL", help="Redis to use if it answers")
     ] = "redis://127.0.0.1:6379/0",
+    gateway_port: int = 8000,
     prefill_port: int = 8101,
     decode_port: int = 8102,
     profile: str = DEFAULT_PROFILE,
     speed: float = 1.0,
+    policy: str = "ampd",
 ) -> None:
-    """Start the local stack: Redis, one prefill and one decode GPU-free worker."""
+    """Start the local stack: Redis, one prefill and one decode GPU-free worker, the gateway."""
     from ampd.stack import run_stack
 
-    raise typer.Exit(run_stack(console, redis_url, prefill_port, decode_port, profile, speed))
+    raise typer.Exit(run_stack(console, redis_url, gateway_port, prefill_port, decode_port, profile, speed, policy))
 
 
 @profile_app.command("list")
@@ -174,6 +239,21 @@ def bench_engine(
     from ampd.bench_engine import run_engine_bench
 
     raise typer.Exit(run_engine_bench(console, profile, speed, tolerance, output_tokens, port, out))
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    speed: float = 1.0,
+    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
+    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
+    output_tokens: int = 32,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Latency the gateway adds over calling a worker directly, and the routing decision's cost."""
+    from ampd.bench_gateway import run_gateway_bench
+
+    level_list = [int(x) for x in levels.split(",")]
+    raise typer.Exit(run_gateway_bench(console, speed, level_list, requests, output_tokens, out))
 
 
 if __name__ == "__main__":

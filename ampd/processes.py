@@ -1,4 +1,4 @@
-"""Child processes the CLI and the tests start: sim workers, and waiting for them."""
+"""Child processes the CLI and the tests start (sim workers, gateways), and waiting for them."""
 
 from __future__ import annotations
 
@@ -27,19 +27,28 @@ class Child:
             self.process.kill()
 
 
-def spawn_sim_worker(
-    name: str, port: int, options: Sequence[str] = (), log: Path | None = None, cpu: int | None = None
-) -> Child:
-    """`ampd worker sim --port PORT *options` in a child process (pinned to ``cpu`` if given)."""
-    command = [sys.executable, "-m", "ampd.cli", "worker", "sim", "--port", str(port), *options]
+def spawn(name: str, port: int, command: Sequence[str], log: Path | None = None, cpu: int | None = None) -> Child:
+    """`ampd *command` (which must serve HTTP on ``port``) in a child process, pinned to
+    ``cpu`` if given, its output appended to ``log``."""
     output = log.open("ab") if log is not None else subprocess.DEVNULL
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=pin)
+    argv = [sys.executable, "-m", "ampd.cli", *command]
+    process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=pin)
     return Child(name, f"http://127.0.0.1:{port}", process)
 
 
-def wait_healthy(children: Sequence[Child], timeout_s: float = 60.0) -> Child | None:
-    """None when all answer /health; else the first child that died or never answered."""
+def spawn_sim_worker(
+    name: str, port: int, options: Sequence[str] = (), log: Path | None = None, cpu: int | None = None
+) -> Child:
+    return spawn(name, port, ["worker", "sim", "--port", str(port), *options], log, cpu)
+
+
+def spawn_gateway(name: str, port: int, options: Sequence[str] = (), log: Path | None = None) -> Child:
+    return spawn(name, port, ["gateway", "--port", str(port), *options], log)
+
+
+def wait_healthy(children: Sequence[Child], timeout_s: float = 60.0, path: str = "/health") -> Child | None:
+    """None when all answer ``path`` with 200; else the first child that died or never did."""
     deadline = time.monotonic() + timeout_s
     pending = list(children)
     while pending:
@@ -47,7 +56,7 @@ def wait_healthy(children: Sequence[Child], timeout_s: float = 60.0) -> Child | 
         if child.process.poll() is not None:
             return child
         try:
-            if httpx.get(f"{child.url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{child.url}{path}", timeout=1.0).status_code == 200:
                 pending.pop(0)
                 continue
         except httpx.HTTPError:

@@ -1,4 +1,8 @@
-"""`ampd up`: the whole local stack as child processes, stopped together on Ctrl-C."""
+"""`ampd up`: the whole local stack as child processes, stopped together on Ctrl-C.
+
+Redis (found or started), one prefill and one decode GPU-free worker registered in
+it, and the gateway in front of them.
+"""
 
 from __future__ import annotations
 
@@ -11,69 +15,79 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.local_redis import NoRedis, ensure_redis
-from ampd.processes import spawn_sim_worker, wait_healthy
+from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
+REDIS_PREFIX = "ampd"
 
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_stack(console: Console, redis_url: str, prefill_port: int, decode_port: int, profile: str, speed: float) -> int:
+def run_stack(
+    console: Console,
+    redis_url: str,
+    gateway_port: int,
+    prefill_port: int,
+    decode_port: int,
+    profile: str,
+    speed: float,
+    policy: str,
+) -> int:
     STATE_DIR.mkdir(exist_ok=True)
     try:
         redis = ensure_redis(redis_url, STATE_DIR / "redis")
     except NoRedis as exc:
         console.print(f"[red]{exc}[/red]")
         return 1
-    children = [
+    registry = ["--redis-url", redis.url, "--redis-prefix", REDIS_PREFIX]
+    workers = [
         spawn_sim_worker(
             f"{role} worker (GPU-free)",
             port,
-            ["--role", role, "--profile", profile, "--speed", str(speed)],
+            ["--role", role, "--profile", profile, "--speed", str(speed), *registry],
             log=STATE_DIR / f"{role}.log",
         )
         for role, port in (("prefill", prefill_port), ("decode", decode_port))
     ]
+    children = list(workers)
     try:
-        failed = wait_healthy(children)
+        failed = wait_healthy(workers)
+        if failed is None:
+            gateway = spawn_gateway("gateway", gateway_port, [*registry, "--policy", policy], STATE_DIR / "gateway.log")
+            children.append(gateway)
+            failed = wait_healthy([gateway], path="/readyz")
         if failed is not None:
             console.print(f"[red]{failed.name} did not come up; see {STATE_DIR}/*.log[/red]")
             return 1
-        (STATE_DIR / "stack.json").write_text(
-            json.dumps(
-                {
-                    "redis": redis.url,
-                    "workers": [
-                        {"role": role, "url": child.url}
-                        for role, child in zip(("prefill", "decode"), children, strict=True)
-                    ],
-                },
-                indent=2,
-            )
-        )
+        stack = {
+            "redis": redis.url,
+            "gateway": gateway.url,
+            "workers": [{"role": role, "url": w.url} for role, w in zip(("prefill", "decode"), workers, strict=True)],
+        }
+        (STATE_DIR / "stack.json").write_text(json.dumps(stack, indent=2))
         table = Table("service", "address")
         table.add_row("redis", f"{redis.url} ({redis.source})")
         for child in children:
             table.add_row(child.name, child.url)
         console.print(table)
         console.print(
-            f"Try: curl -N {children[1].url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"Try: curl -N {gateway.url}/v1/chat/completions -H 'Content-Type: application/json' "
             '-d \'{"messages": [{"role": "user", "content": "Weather in Paris?"}], "stream": true, '
             '"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": '
             '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]}\'',
             soft_wrap=True,
         )
-        console.print("Ctrl-C stops everything.")
+        console.print(f"OpenAI SDK: OpenAI(base_url='{gateway.url}/v1', api_key='unused'). Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
         while all(c.process.poll() is None for c in children):
             time.sleep(0.5)
-        console.print("[red]a worker exited; stopping the stack[/red]")
+        console.print("[red]a process exited; stopping the stack[/red]")
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        for child in children:
+        for child in reversed(children):
             child.stop()
         redis.stop()

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
-from ampd.processes import Child, spawn_sim_worker, wait_healthy
+from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 
 
 @dataclass
@@ -59,3 +59,14 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
         data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def start_gateway(tmp: Path, redis_url: str, prefix: str, *options: str, timeout_s: float = 30.0) -> Child:
+    """A gateway on a free port, ready once it sees at least one decode worker."""
+    port = free_port()
+    log = tmp / f"gateway-{port}.log"
+    child = spawn_gateway("gateway", port, ["--redis-url", redis_url, "--redis-prefix", prefix, *options], log=log)
+    if wait_healthy([child], timeout_s, path="/readyz") is not None:
+        child.stop()
+        raise RuntimeError(f"gateway did not become ready: {log.read_text()}")
+    return child

@@ -17,7 +17,7 @@ PROFILE = load_profile("llama-3.1-8b_h100_tp1")
 
 def make_request(rid: str, prompt: list[int], out: int = 4, max_tokens: int | None = None, **kw) -> Request:
     plan = [1000 + i for i in range(out - 1)] + [EOS_ID]
-    return Request(rid, list(prompt), plan, max_tokens or out, arrival_time=0.0, **kw)
+    return Request(rid, list(prompt), plan, max_tokens or out + 16, arrival_time=0.0, **kw)
 
 
 def tokens(n: int, start: int = 300) -> list[int]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -29,22 +30,12 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 60) -> di
     return json.loads(path.read_text())
 
 
-def test_up_starts_redis_and_a_prefill_decode_pair(tmp_path):
-    ports = [free_port(), free_port()]
+def test_up_starts_redis_workers_and_the_gateway(tmp_path):
+    ports = [free_port(), free_port(), free_port()]
     env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # nothing there: start our own
+    command = ["up", "--gateway-port", str(ports[0]), "--prefill-port", str(ports[1]), "--decode-port", str(ports[2])]
     up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ampd.cli",
-            "up",
-            "--prefill-port",
-            str(ports[0]),
-            "--decode-port",
-            str(ports[1]),
-            "--speed",
-            "50",
-        ],
+        [sys.executable, "-m", "ampd.cli", *command, "--speed", "50"],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -54,33 +45,19 @@ def test_up_starts_redis_and_a_prefill_decode_pair(tmp_path):
         stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
         assert redis.Redis.from_url(stack["redis"]).ping()
         assert stack["redis"] != env["REDIS_URL"]
-        prefill, decode = (w["url"] for w in stack["workers"])
-        messages = [{"role": "user", "content": "Weather in Paris?"}]
-        tools = [
-            {
-                "type": "function",
-                "function": {
-                    "name": "get_weather",
-                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-                },
-            }
-        ]
-        first = httpx.post(
-            f"{prefill}/v1/chat/completions",
-            timeout=30,
-            json={
-                "messages": messages,
-                "tools": tools,
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True},
-            },
-        ).json()
-        second = httpx.post(
-            f"{decode}/v1/chat/completions",
-            timeout=30,
-            json={"messages": messages, "tools": tools, "kv_transfer_params": first["kv_transfer_params"]},
-        ).json()
-        assert second["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert [w["role"] for w in stack["workers"]] == ["prefill", "decode"]
+        # A tool-calling round trip through the gateway, as the README shows it.
+        client = openai.OpenAI(base_url=f"{stack['gateway']}/v1", api_key="unused")
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+        messages: list = [{"role": "user", "content": "Weather in Paris?"}]
+        first = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, tools=tools)
+        call = first.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "21 C"}]  # fmt: skip
+        second = client.chat.completions.create(model=first.model, messages=messages, tools=tools)
+        assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0

@@ -6,7 +6,7 @@ import json
 
 from workers.sim import protocol as p
 from workers.sim.responder import Length, Responder
-from workers.sim.tokenizer import Tokenizer, render_chat
+from workers.sim.tokenizer import Tokenizer
 
 TOOLS = [
     {
@@ -21,8 +21,7 @@ TOOLS = [
 
 def tool_reply():
     messages = [{"role": "user", "content": "define entropy"}]
-    text = render_chat(messages, TOOLS)
-    return Responder(Tokenizer(32000)).chat(messages, TOOLS, "auto", True, None, 1, text, Length(100))
+    return Responder(Tokenizer(32000)).chat(messages, TOOLS, "auto", True, None, 1, Length(100))
 
 
 def test_fast_delta_chunk_equals_the_generic_chunk():

@@ -29,7 +29,7 @@ LONG = Length(max_tokens=1000)
 
 def reply_for(messages, script=None, seed=None, tool_choice="auto", length=LONG):
     text = render_chat(messages, TOOLS)
-    return text, responder.chat(messages, TOOLS, tool_choice, True, script, seed, text, length)
+    return text, responder.chat(messages, TOOLS, tool_choice, True, script, seed, length)
 
 
 def as_message(reply) -> dict:
@@ -81,6 +81,8 @@ def test_output_is_deterministic_given_a_seed():
     b = reply_for(messages, seed=3, tool_choice="none")[1]
     c = reply_for(messages, seed=4, tool_choice="none")[1]
     assert a == b and a.text != c.text
+    # Unseeded, two identical requests get different replies (and tool-call ids).
+    assert reply_for(messages)[1].tool_calls[0].id != reply_for(messages)[1].tool_calls[0].id
 
 
 def test_script_fixes_rounds_lengths_and_calls():

@@ -101,8 +101,8 @@ class Request:
 
     def stop_status(self) -> RequestStatus | None:
         """The finished status after the latest token, or None to keep going."""
+        if self.num_output_tokens >= self.max_tokens:  # vLLM checks the length cap first
+            return RequestStatus.FINISHED_LENGTH
         if self.num_output_tokens >= len(self.output_plan):
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
         return None

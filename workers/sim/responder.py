@@ -13,7 +13,6 @@ round of a request is the number of assistant turns since the last user message.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Sequence
@@ -257,10 +256,9 @@ class Responder:
         parallel_tool_calls: bool,
         script: SimScript | None,
         seed: int | None,
-        prompt_text: str,
         length: Length,
     ) -> Reply:
-        rng = _rng(seed, prompt_text)
+        rng = _rng(seed)
         offered = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools or []}
         planned = self._planned_round(messages, script)
         if planned is not None and planned.tool_calls:
@@ -278,9 +276,9 @@ class Responder:
         arguments = _arguments_for(offered[name].get("parameters") or {}, messages)
         return self._reply(rng, output_tokens, [(name, arguments)], length)
 
-    def completion(self, prompt_text: str, script: SimScript | None, seed: int | None, length: Length) -> Reply:
+    def completion(self, script: SimScript | None, seed: int | None, length: Length) -> Reply:
         planned = script.rounds[0] if script and script.rounds else None
-        return self._reply(_rng(seed, prompt_text), planned.output_tokens if planned else None, [], length)
+        return self._reply(_rng(seed), planned.output_tokens if planned else None, [], length)
 
     def _planned_round(self, messages: Sequence[dict[str, Any]], script: SimScript | None) -> ScriptedRound | None:
         if script is None:
@@ -342,10 +340,10 @@ def _cut_at_stop(reply: Reply, stops: tuple[str, ...]) -> Reply:
     return Reply(content, calls, reply.token_ids[: len(pieces)], pieces, stop_reason=stop)
 
 
-def _rng(seed: int | None, prompt_text: str) -> random.Random:
-    if seed is not None:
-        return random.Random(seed)
-    return random.Random(hashlib.blake2b(prompt_text.encode(), digest_size=8).digest())
+def _rng(seed: int | None) -> random.Random:
+    """Seeded requests are reproducible; unseeded ones vary, as a sampling model's do
+    (two sessions sending the same first request get different replies and tool-call ids)."""
+    return random.Random(seed)
 
 
 def _words(rng: random.Random, n: int) -> list[str]:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from planner.profile import Profile
+from workers.registry import Role, WorkerInfo, heartbeat
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
 from workers.sim.kv_transfer import KVSideChannel
@@ -32,8 +34,6 @@ from workers.sim.request import Request as EngineRequest
 from workers.sim.responder import Length, Reply, Responder, ScriptError
 from workers.sim.scheduler import Scheduler, SchedulerConfig
 from workers.sim.tokenizer import BOS, Tokenizer, render_chat
-
-Role = Literal["prefill", "decode", "both"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,12 @@ class WorkerConfig:
     enable_prompt_tokens_details: bool = False
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    redis_url: str | None = None  # register in this Redis and heartbeat (workers.registry)
+    redis_prefix: str = "ampd"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertise_host}:{self.port}"
 
     @property
     def model_name(self) -> str:
@@ -186,7 +192,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
-        yield
+        async with _registered(state):
+            yield
         await state.engine.stop()
         await state.side_channel.close()
 
@@ -286,7 +293,6 @@ def create_app(config: WorkerConfig) -> FastAPI:
                 body.parallel_tool_calls,
                 body.sim_script,
                 body.seed,
-                prompt_text,
                 length,
             )
         except ScriptError as exc:
@@ -313,7 +319,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         _reject_unsupported(body.n, bool(body.logprobs))
         prompt_text, prompt_ids = _completion_prompt(w, body)
         length = _length(body, w.max_tokens_for(len(prompt_ids), body.max_tokens, "max_tokens"))
-        reply = w.responder.completion(prompt_text, body.sim_script, body.seed, length)
+        reply = w.responder.completion(body.sim_script, body.seed, length)
         ids = p.ResponseIds(f"cmpl-{_request_id(request)}", w.config.model_name, "text_completion")
         stream = _submit(w, ids, prompt_ids, reply, length, body.kv_transfer_params)
         echo = prompt_text if body.echo else ""
@@ -348,6 +354,32 @@ def create_app(config: WorkerConfig) -> FastAPI:
         return {"blocks": blocks}
 
     return app
+
+
+@contextlib.asynccontextmanager
+async def _registered(w: SimWorker) -> AsyncIterator[None]:
+    """Heartbeat into the worker registry while serving, if a Redis is configured."""
+    config = w.config
+    if config.redis_url is None:
+        yield
+        return
+    redis = aioredis.from_url(config.redis_url, decode_responses=True)
+    info = WorkerInfo(
+        worker_id=f"sim-{config.role}-{config.advertise_host}:{config.port}",
+        role=config.role,
+        url=config.url,
+        model=config.model_name,
+        profile=config.profile,
+        speed=config.speed,
+        kv_capacity_tokens=w.scheduler.kv.num_blocks * w.scheduler.kv.block_size,
+    )
+    beat = asyncio.create_task(heartbeat(redis, config.redis_prefix, info))
+    try:
+        yield
+    finally:
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        await redis.aclose()
 
 
 class KVRead(BaseModel):

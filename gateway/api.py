@@ -1,0 +1,93 @@
+"""The gateway's OpenAI-compatible request schema and errors.
+
+Requests are validated only as far as the gateway needs (roles, tool shapes, limits)
+and otherwise passed through to the engine untouched, so every field vLLM accepts
+(temperature, top_p, seed, stop, ...) still reaches it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+        499: "client_closed_request",
+        502: "upstream_error",
+        503: "service_unavailable",
+    }
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Open):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Open):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatRequest(_Open):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+
+
+def validation_error(exc: ValidationError | Any) -> APIError:
+    errors = exc.errors() if hasattr(exc, "errors") else []
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    where = ".".join(loc)
+    return APIError(
+        400, f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request", loc[0] if loc else None
+    )

@@ -1,0 +1,423 @@
+"""The coordinator: an OpenAI-compatible front that schedules every round's prefill.
+
+The life of a round (shared/DESIGN.md): find the session (gateway.sessions) and its
+bound decode worker, binding new sessions (gateway.binding); count the prompt with the
+engine's ``/tokenize``; turn the round into a prefill task with l_hist and l_incr;
+route it (gateway.policies, AMPD Alg. 1 by default); wait in the chosen worker's
+prefill queue (gateway.queues, Alg. 2); run it with vLLM's hand-off (remote: prefill
+worker, then decode worker with the KV transfer params; local: the decode worker
+alone); stream the reply back while measuring TTFT and ITL into the shared windowed
+statistics (gateway.stats); and remember what the decode worker now holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from gateway.api import APIError, ChatRequest, validation_error
+from gateway.binding import DecodeCandidate, choose_decode_worker
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.policies import POLICIES, route
+from gateway.pool import LiveWorker, WorkerPool
+from gateway.queues import PrefillQueues, QueueFull
+from gateway.routing import PrefillTask, Route, WorkerView
+from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
+from gateway.stats import WindowedStats
+from gateway.upstream import EngineClient, Reply, UpstreamError
+from planner.slo import SLO, derived_slo
+
+log = logging.getLogger(__name__)
+REDIS_CONNECTIONS = 256
+
+
+@dataclass
+class Round:
+    """One request of a session, from arrival to its last token."""
+
+    arrival: float
+    scope: str
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    session: Session
+    task: PrefillTask
+    route: Route
+    decode: LiveWorker
+    slo: SLO
+    wants_usage: bool
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        # Block for a free connection rather than fail when hundreds of requests are in flight.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self.client = EngineClient(config.request_timeout_s)
+        self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client)
+        self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s)
+        self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s)
+        self.policy = POLICIES[config.policy]
+        self.queues = PrefillQueues(
+            self.redis,
+            config.key_prefix,
+            config.replica_id,
+            self.policy,
+            window=config.reorder_window,
+            slots=config.prefill_slots,
+            max_queue=config.max_queue,
+            task_ttl_s=config.session_ttl_s,
+        )
+        self.metrics = GatewayMetrics()
+        self.rng = random.Random(config.routing_seed)
+        self.key_hashes = config.key_hashes
+        self._refresher: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.pool.refresh()
+        self.queues.watch(self.pool.workers)
+        await self.queues.start()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="pool-refresh")
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        await self.queues.stop()
+        await self.client.close()
+        await self.redis.aclose()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.scrape_interval_s)
+            await self.pool.refresh()
+            self.queues.watch(self.pool.workers)
+
+    # -- requests ----------------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> str:
+        """The caller's scope: sessions, hashes and ids are namespaced by it."""
+        if not self.key_hashes:
+            return "public"
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if not key or digest not in self.key_hashes:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return digest[:16]
+
+    def slo_for(self, model: str) -> SLO:
+        worker = self.pool.decoders(model)[0].info
+        derived = derived_slo(worker.profile, self.config.slo_scale).scaled(worker.speed)
+        return SLO(self.config.ttft_slo_s or derived.ttft_s, self.config.itl_slo_s or derived.itl_s)
+
+    def resolve_model(self, requested: str | None) -> str:
+        models = self.pool.models()
+        if requested is None and len(models) == 1:
+            return models[0]
+        if requested is None:
+            raise APIError(400, "model is required", param="model")
+        if requested not in models:
+            if not models:
+                raise APIError(503, "no worker is available", code="no_worker")
+            raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        if not self.pool.decoders(requested):
+            raise APIError(503, f"no decode worker is available for {requested}", code="no_worker")
+        return requested
+
+    async def begin(self, raw: dict[str, Any], headers: dict[str, str], scope: str) -> Round:
+        """Everything before the prefill runs: session, binding, counting, routing."""
+        arrival = time.time()
+        try:
+            request = ChatRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        model = self.resolve_model(request.model)
+        body = dict(raw, model=model)
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        hashes = conversation_hashes(scope, messages)
+        explicit = explicit_session_id(headers, raw)
+        decoders = self.pool.decoders(model)
+        counter = min(decoders, key=lambda w: w.load.kv_usage)
+        # One concurrent stage: the session, the prompt's length, and the load signals of
+        # every worker the round could go to (which one it is depends on the first two).
+        candidates = {w.info.worker_id for w in decoders + self.pool.prefillers(model, exclude="")}
+        session, l_total, signals = await asyncio.gather(
+            self._find_session(scope, explicit, hashes),
+            self.client.tokenize(counter.info.url, model, raw["messages"], raw.get("tools")),
+            self._signals(candidates),
+        )
+        session = self._bind(session, scope, explicit, model, l_total)
+        decode = self.pool.get(session.decode_worker)
+        assert decode is not None  # _bind guarantees a live decode worker
+        l_hist = min(session.l_hist, l_total - 1) if continues(session, hashes) else 0
+        task = PrefillTask(uuid.uuid4().hex, session.session_id, l_hist, l_total, arrival)
+        slo = self.slo_for(model)
+        chosen = self._route(task, session, decode, model, slo, *signals)
+        wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
+        return Round(arrival, scope, body, messages, session, task, chosen, decode, slo, wants_usage)
+
+    async def _signals(self, worker_ids: set[str]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+        """Queued prefill seconds and windowed TTFT/ITL of the given workers."""
+        wanted = [(series, w) for w in worker_ids for series in ("itl", "ttft")]
+        costs, means = await asyncio.gather(self.queues.queue_costs(worker_ids), self.stats.means(wanted))
+        return costs, means
+
+    async def _find_session(self, scope: str, explicit: str | None, hashes: list[str]) -> Session | None:
+        session_id = explicit or await self.sessions.infer(scope, hashes)
+        if session_id is None:
+            return None
+        return await self.sessions.load(scope, session_id)
+
+    def _bind(self, session: Session | None, scope: str, explicit: str | None, model: str, l_total: int) -> Session:
+        """AMPD step 1 for new sessions, and re-binding for sessions whose worker is gone
+        (their next round prefills the whole history on the new worker)."""
+        if session is not None and self.pool.get(session.decode_worker) is not None:
+            return session
+        candidates = [
+            DecodeCandidate(w.info.worker_id, w.load.kv_usage, w.info.kv_capacity_tokens, w.pending_tokens)
+            for w in self.pool.decoders(model)
+        ]
+        worker_id = choose_decode_worker(candidates)
+        self.pool.workers[worker_id].pending_tokens += l_total
+        if session is None:
+            self.metrics.sessions.inc()
+            return new_session(explicit or uuid.uuid4().hex, scope, worker_id, explicit_id=explicit is not None)
+        log.info("session %s re-bound from %s to %s", session.session_id, session.decode_worker, worker_id)
+        session.decode_worker, session.l_hist, session.conversation_len = worker_id, 0, 0
+        return session
+
+    def _route(
+        self,
+        task: PrefillTask,
+        session: Session,
+        decode: LiveWorker,
+        model: str,
+        slo: SLO,
+        costs: dict[str, float],
+        means: dict[tuple[str, str], float],
+    ) -> Route:
+        prefillers = (
+            self.pool.prefillers(model, exclude=decode.info.worker_id) if self.policy.uses_prefill_workers else []
+        )
+
+        def view(w: LiveWorker, **kw: Any) -> WorkerView:
+            i = w.info
+            return WorkerView(i.worker_id, i.profile, i.speed, queue_cost=costs[i.worker_id], **kw)
+
+        decode_view = view(decode, windowed_itl=means.get(("itl", decode.info.worker_id)))
+        prefill_views = [
+            view(
+                p,
+                windowed_ttft=means.get(("ttft", p.info.worker_id)),
+                cached_tokens=session.prefill_cached if p.info.worker_id == session.prefill_worker else 0,
+            )
+            for p in prefillers
+        ]
+        started = time.perf_counter()
+        chosen = route(
+            self.policy, task, decode_view, prefill_views, slo, self.config.alpha, self.config.beta, self.rng
+        )
+        self.metrics.decision.observe(time.perf_counter() - started)
+        self.metrics.routes.labels(chosen.kind, chosen.reason).inc()
+        return chosen
+
+    def _estimate(self, r: Round) -> float:
+        """t_pre of the task on the worker it was routed to (what its queue will hold)."""
+        task = r.task
+        if r.route.kind == "local":
+            return r.decode.info.profile.t_pre(task.l_hist, task.l_incr) / r.decode.info.speed
+        worker = self.pool.get(r.route.worker_id)
+        assert worker is not None
+        cached = min(r.session.prefill_cached, task.l_total - 1) if r.session.prefill_worker == r.route.worker_id else 0
+        return worker.info.profile.t_pre(cached, task.l_total - cached) / worker.info.speed
+
+    async def run(self, r: Round, reply: Reply) -> AsyncIterator[bytes]:
+        """Queue, prefill and decode the round; yields the SSE events the client gets
+        and fills ``reply`` (what a non-streaming client gets) on the way."""
+        try:
+            dispatched = await self.queues.submit(r.route.worker_id, r.task, self._estimate(r), r.slo.ttft_s)
+        except QueueFull as exc:
+            raise APIError(429, str(exc), code="queue_full") from exc
+        self.metrics.queue_wait.observe(dispatched.queued_s)
+        slot_worker: str | None = r.route.worker_id
+        request_id = uuid.uuid4().hex
+        body = r.body
+        route_kind, prefill_worker = r.route.kind, r.route.worker_id
+        try:
+            if r.route.kind == "remote":
+                prefill = self.pool.get(prefill_worker)
+                try:
+                    if prefill is None:
+                        raise UpstreamError(f"prefill worker {prefill_worker} left the pool")
+                    params = await self.client.prefill(prefill.info.url, body, request_id)
+                    body = dict(body, kv_transfer_params=params)
+                except UpstreamError as exc:
+                    if 400 <= exc.status < 500:
+                        raise
+                    log.warning("remote prefill on %s failed (%s); prefilling locally", prefill_worker, exc)
+                    self.metrics.routes.labels("local", "fallback").inc()
+                    route_kind = "local"
+                self.queues.release(prefill_worker, r.task.task_id)
+                slot_worker = None
+            async for events in self.client.stream(r.decode.info.url, body, request_id, reply, r.wants_usage):
+                yield events
+                if slot_worker is not None:  # the first token is out: the local prefill is over
+                    self.queues.release(slot_worker, r.task.task_id)
+                    slot_worker = None
+            await self._remember(r, reply, route_kind, prefill_worker)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if slot_worker is not None:
+                self.queues.release(slot_worker, r.task.task_id)
+
+    async def _remember(self, r: Round, reply: Reply, route_kind: str, prefill_worker: str) -> None:
+        """After the round: what the decode worker holds, and the round's TTFT and ITL."""
+        session = r.session
+        usage = reply.usage or {}
+        session.l_hist = int(usage.get("prompt_tokens", r.task.l_total)) + int(usage.get("completion_tokens", 0))
+        session.rounds += 1
+        if route_kind == "remote":
+            session.prefill_worker, session.prefill_cached = prefill_worker, r.task.l_total
+        decode_id = r.decode.info.worker_id
+        ttft_series = ("ttft", prefill_worker) if route_kind == "remote" else ("ttft_local", decode_id)
+        observations = [(*ttft_series, reply.ttft_s or 0.0, 1 if reply.ttft_s is not None else 0)]
+        observations.append(("itl", decode_id, reply.gaps_s, reply.gaps))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.sessions.save(pipe, session, r.messages + [reply.message()])
+            self.stats.record(pipe, observations)
+            await pipe.execute()
+        kind = "incremental" if r.task.incremental else "initial"
+        if reply.ttft_s is not None:
+            self.metrics.ttft.labels(kind).observe(reply.ttft_s)
+        if reply.mean_itl_s is not None:
+            self.metrics.itl.observe(reply.mean_itl_s)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        yield
+        await gateway.stop()
+
+    app = FastAPI(title="ampd gateway", lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        gateway.metrics.requests.labels(str(exc.status)).inc()
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        problems = []
+        try:
+            await gateway.redis.ping()
+        except (aioredis.RedisError, OSError) as exc:
+            problems.append(f"redis: {exc}")
+        if not any(w.info.decodes for w in gateway.pool.workers.values()):
+            problems.append("no decode worker")
+        body = {"status": "ready" if not problems else "not ready", "problems": problems,
+                "workers": sorted(gateway.pool.workers)}  # fmt: skip
+        return JSONResponse(body, status_code=200 if not problems else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gateway.authenticate(request.headers.get("authorization"))
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "ampd"} for m in gateway.pool.models()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        scope = gateway.authenticate(request.headers.get("authorization"))
+        raw = await _read_json(request, config.max_body_bytes)
+        r = await gateway.begin(raw, dict(request.headers), scope)
+        reply = Reply(started=r.arrival)
+        events = gateway.run(r, reply)
+        headers = {"X-Session-Id": r.session.session_id, "X-AMPD-Route": f"{r.route.kind}:{r.route.worker_id}"}
+        try:
+            first = await anext(events)  # errors up to the first token still get a status code
+        except UpstreamError as exc:
+            raise _upstream_api_error(exc) from exc
+        if raw.get("stream"):
+            gateway.metrics.requests.labels("200").inc()
+            return StreamingResponse(_relay(first, events), media_type="text/event-stream", headers=headers)
+        async for _ in _safe(events):
+            pass
+        gateway.metrics.requests.labels("200").inc()
+        return JSONResponse(reply.completion(), headers=headers)
+
+    return app
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
+
+
+async def _relay(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    try:
+        async for event in rest:
+            yield event
+    except UpstreamError as exc:  # the status line is gone: report in-band, as vLLM does
+        yield f"data: {json.dumps(_upstream_api_error(exc).body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+
+async def _safe(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield event
+    except UpstreamError as exc:
+        raise _upstream_api_error(exc) from exc
+
+
+def _upstream_api_error(exc: UpstreamError) -> APIError:
+    error = (exc.body or {}).get("error") if isinstance(exc.body, dict) else None
+    if error and 400 <= exc.status < 500:  # the engine refused the request itself: pass it on
+        return APIError(exc.status, error.get("message", str(exc)), error.get("param"))
+    return APIError(502, f"upstream failure: {exc}", code="upstream_error")

@@ -1,0 +1,64 @@
+"""The gateway's configuration: one validated object, built by the CLI or by tests."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gateway.policies import POLICIES
+from workers.registry import Role
+
+
+class StaticWorker(BaseModel):
+    """A worker the gateway is told about instead of finding it in the registry."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    role: Role = "both"
+    profile: str = Field(default="llama-3.1-8b_h100_tp1", description="shipped profile name or file")
+    speed: float = Field(default=1.0, gt=0)
+
+
+class GatewayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field(default="ampd", description="prefix of every Redis key; isolates deployments")
+    replica_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    policy: str = "ampd"
+    alpha: float = Field(default=0.9, gt=0, description="TTFT slack factor of Alg. 1")
+    beta: float = Field(default=0.85, gt=0, description="ITL slack factor of Alg. 1")
+    reorder_window: int = Field(default=3, ge=1, le=6, description="w of Alg. 2 (window and postponement cap)")
+    stats_window_s: int = Field(default=10, ge=1, description="windowed TTFT/ITL statistics span")
+    ttft_slo_s: float | None = Field(default=None, gt=0, description="default: scale x unloaded TTFT")
+    itl_slo_s: float | None = Field(default=None, gt=0, description="default: scale x unloaded ITL")
+    slo_scale: float = Field(default=5.0, gt=0)
+    routing_seed: int | None = None
+
+    prefill_slots: int = Field(default=1, ge=1, description="prefill tasks in flight per worker")
+    max_queue: int = Field(default=1024, ge=1, description="queued prefills per worker before 429")
+    session_ttl_s: int = Field(default=3600, ge=1)
+    api_keys: tuple[str, ...] = Field(default=(), description="accepted keys, plain or 'sha256:<hex>'; none = open")
+    max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    scrape_interval_s: float = Field(default=1.0, gt=0)
+    static_workers: tuple[StaticWorker, ...] = ()
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; one of {', '.join(POLICIES)}")
+        return value
+
+    @property
+    def key_hashes(self) -> frozenset[str]:
+        """API keys as SHA-256 hex digests: plain keys are hashed once, here."""
+        return frozenset(
+            k.removeprefix("sha256:") if k.startswith("sha256:") else hashlib.sha256(k.encode()).hexdigest()
+            for k in self.api_keys
+        )

@@ -1,0 +1,35 @@
+"""The gateway's own Prometheus metrics (per round, as the gateway measures them)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "ampd_itl_seconds", "Mean inter-token latency of a round.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.routes = Counter("ampd_route", "Prefill routing decisions.", ["route", "reason"], registry=r)
+        self.queue_wait = Histogram(
+            "ampd_prefill_queue_wait_seconds",
+            "Time a prefill task waited in its queue.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.postponements = Counter("ampd_reorder_postponements", "Tasks postponed by prefill reordering.", registry=r)
+        self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
+        self.sessions = Gauge("ampd_sessions_bound", "Sessions this replica bound since it started.", registry=r)
+        self.decision = Histogram(
+            "ampd_routing_decision_seconds",
+            "Time the routing policy itself took (no I/O).",
+            buckets=(1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3),
+            registry=r,
+        )

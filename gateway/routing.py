@@ -1,0 +1,116 @@
+"""Where a prefill runs: AMPD's adaptive routing (Alg. 1 with Eq. 1-2). Pure: no I/O.
+
+shared/seeds/003_517589c8db448ff1.txt, section 4.1. A prefill task of a session bound
+to decode worker d either runs *locally* on d, whose prefix cache holds the session's
+history, or *remotely* on a prefill worker, whose output KV d then pulls.
+
+Eq. 2 is modelled as vLLM's NixlConnector protocol really behaves (the paper assumes
+a prefill worker can read the history KV from d; vLLM's cannot):
+
+* the prefill worker computes everything it does not hold in its own prefix cache -
+  for a session it served before, the prompt of that round - so
+  t_pre_i = T_pre(h_i, l_total - h_i; theta_pi) with h_i its cached tokens;
+* d then pulls only the blocks it lacks: t_kv_i = T_kv(l_total - l_hist; theta_pi, theta_d);
+* t_queue_i is the estimated prefill time of everything queued on i.
+
+Costs come from each worker's profile divided by its ``speed`` (a GPU-free worker
+may run faster than the GPU it models), so they compare with wall-clock statistics.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.profile import Profile, t_kv
+from planner.slo import SLO
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """One prefill: the first of a session (l_hist = 0) or an incremental one."""
+
+    task_id: str
+    session_id: str
+    l_hist: int  # tokens of this session the bound decode worker already holds
+    l_total: int  # prompt tokens of this round
+    created_at: float  # when the round's TTFT clock started
+
+    @property
+    def l_incr(self) -> int:
+        return self.l_total - self.l_hist
+
+    @property
+    def incremental(self) -> bool:
+        return self.l_hist > 0
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What routing knows of one worker at decision time."""
+
+    worker_id: str
+    profile: Profile
+    speed: float = 1.0
+    windowed_ttft: float | None = None  # mean over the statistics window; None if no samples
+    windowed_itl: float | None = None
+    queue_cost: float = 0.0  # estimated seconds of prefill queued on this worker (wall clock)
+    cached_tokens: int = 0  # this session's tokens in this worker's prefix cache (prefill workers)
+
+    def t_pre(self, l_hist: int, l_incr: int) -> float:
+        return self.profile.t_pre(l_hist, l_incr) / self.speed
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: Literal["local", "remote"]
+    worker_id: str
+    reason: Literal["ttft-slack", "itl-slack", "cost", "policy"]
+    estimate_s: float | None = None  # Eq. 1 or 2, when it was computed
+
+
+def local_cost(task: PrefillTask, decode: WorkerView) -> float:
+    """Eq. 1: prefill the increment on the bound decode worker, after its queue."""
+    return decode.t_pre(task.l_hist, task.l_incr) + decode.queue_cost
+
+
+def remote_cost(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:
+    """Eq. 2 as vLLM's protocol allows: compute what i lacks, d pulls what it lacks, plus i's queue."""
+    cached = min(prefill.cached_tokens, task.l_total - 1)
+    compute = prefill.t_pre(cached, task.l_total - cached)
+    transfer = t_kv(task.l_total - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
+    return compute + transfer + prefill.queue_cost
+
+
+def adaptive_route(
+    task: PrefillTask,
+    decode: WorkerView,
+    prefills: Sequence[WorkerView],
+    slo: SLO,
+    alpha: float,
+    beta: float,
+    rng: random.Random,
+) -> Route:
+    """AMPD Alg. 1."""
+    order = list(prefills)
+    rng.shuffle(order)
+    for p in order:  # lines 1-3: a prefill worker with TTFT slack
+        if (p.windowed_ttft or 0.0) <= alpha * slo.ttft_s:
+            return Route("remote", p.worker_id, "ttft-slack")
+    if (decode.windowed_itl or 0.0) <= beta * slo.itl_s:  # lines 4-5: ITL slack on d
+        return Route("local", decode.worker_id, "itl-slack")
+    best = Route("local", decode.worker_id, "cost", local_cost(task, decode))  # lines 6-9
+    for p in prefills:
+        cost = remote_cost(task, p, decode)
+        if cost < best.estimate_s:
+            best = Route("remote", p.worker_id, "cost", cost)
+    return best
+
+
+def shortest_remote(task: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView]) -> Route:
+    """Always remote, to the prefill worker with the lowest Eq. 2 cost (the disaggregated baseline)."""
+    costs = [(remote_cost(task, p, decode), p.worker_id) for p in prefills]
+    cost, worker_id = min(costs)
+    return Route("remote", worker_id, "policy", cost)

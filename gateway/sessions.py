@@ -1,0 +1,149 @@
+"""Sessions: who a request belongs to, and what the gateway remembers about it.
+
+Identity, in order: the ``X-Session-Id`` header, else the body's ``prompt_cache_key``,
+``user`` or ``metadata.session_id``, else inference from the conversation itself.
+After every round the gateway stores a hash of the whole conversation so far -
+request messages plus the assistant's reply - under the session; a later request
+whose message list starts with exactly that conversation continues the session. Only
+whole conversations ending in a reply are stored, so two sessions that merely share
+a system prompt (or any other prefix) are never merged. Every id and hash is scoped
+to the caller's API key.
+
+State lives in Redis with a TTL refreshed by every round, so bindings survive gateway
+restarts and every replica sees the same session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+
+@dataclass
+class Session:
+    session_id: str
+    scope: str
+    decode_worker: str
+    l_hist: int = 0  # tokens of this session the decode worker holds (prompt + output so far)
+    prefill_worker: str = ""  # the prefill worker that served its last remote round
+    prefill_cached: int = 0  # tokens of this session in that worker's prefix cache
+    rounds: int = 0
+    created: float = 0.0
+    explicit_id: bool = True
+    conversation_len: int = 0  # messages in the conversation the decode worker holds
+    conversation_hash: str = ""  # conversation_hashes(...)[-1] of that conversation
+
+
+def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The session id a client gave, if any (header first, then body fields)."""
+    candidates = [
+        headers.get("x-session-id"),
+        body.get("prompt_cache_key"),
+        body.get("user"),
+        (body.get("metadata") or {}).get("session_id") if isinstance(body.get("metadata"), dict) else None,
+    ]
+    return next((str(c) for c in candidates if c), None)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def _arguments(raw: Any) -> Any:
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError:
+        return raw
+
+
+def canonical_message(message: Mapping[str, Any]) -> str:
+    """A message as the hash chain sees it: what clients may reformat does not count
+    (null vs empty content, whitespace, JSON spacing of tool arguments)."""
+    calls = [
+        [
+            c.get("id", ""),
+            (c.get("function") or {}).get("name", ""),
+            _arguments((c.get("function") or {}).get("arguments")),
+        ]
+        for c in message.get("tool_calls") or []
+    ]
+    parts = [message.get("role", ""), _text(message.get("content")).strip(), calls, message.get("tool_call_id") or ""]
+    return json.dumps(parts, sort_keys=True, separators=(",", ":"))
+
+
+def conversation_hashes(scope: str, messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """hashes[i] identifies messages[: i + 1] (a chain, so each costs one hash)."""
+    out, state = [], hashlib.blake2b(scope.encode(), digest_size=16).digest()
+    for message in messages:
+        state = hashlib.blake2b(state + canonical_message(message).encode(), digest_size=16).digest()
+        out.append(state.hex())
+    return out
+
+
+class SessionStore:
+    def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int) -> None:
+        self.redis, self.p, self.ttl_s = redis, prefix, ttl_s
+
+    def _key(self, scope: str, session_id: str) -> str:
+        return f"{self.p}:session:{scope}:{session_id}"
+
+    def _conversation(self, scope: str, digest: str) -> str:
+        return f"{self.p}:conversation:{scope}:{digest}"
+
+    async def load(self, scope: str, session_id: str) -> Session | None:
+        fields = await self.redis.hgetall(self._key(scope, session_id))
+        if not fields:
+            return None
+        return Session(
+            session_id=session_id,
+            scope=scope,
+            decode_worker=fields["decode_worker"],
+            l_hist=int(fields["l_hist"]),
+            prefill_worker=fields["prefill_worker"],
+            prefill_cached=int(fields["prefill_cached"]),
+            rounds=int(fields["rounds"]),
+            created=float(fields["created"]),
+            explicit_id=fields["explicit_id"] == "1",
+            conversation_len=int(fields["conversation_len"]),
+            conversation_hash=fields["conversation_hash"],
+        )
+
+    def save(self, pipe: aioredis.client.Pipeline, session: Session, conversation: Sequence[Mapping[str, Any]]) -> None:
+        """Stage the session after a round on ``pipe``; ``conversation`` is everything the
+        decode worker now holds (the request's messages and the reply). Sessions without
+        a client-given id become findable by that conversation."""
+        session.conversation_len = len(conversation)
+        session.conversation_hash = conversation_hashes(session.scope, conversation)[-1]
+        fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(session).items()}
+        pipe.hset(self._key(session.scope, session.session_id), mapping=fields)
+        pipe.expire(self._key(session.scope, session.session_id), self.ttl_s)
+        if not session.explicit_id:
+            pipe.set(self._conversation(session.scope, session.conversation_hash), session.session_id, ex=self.ttl_s)
+
+    async def infer(self, scope: str, hashes: Sequence[str]) -> str | None:
+        """The session whose stored conversation is the longest proper prefix of the
+        request's messages (``hashes`` = conversation_hashes of them)."""
+        prefixes = list(hashes[:-1])
+        if not prefixes:
+            return None
+        found = await self.redis.mget([self._conversation(scope, h) for h in prefixes])
+        return next((sid for sid in reversed(found) if sid), None)
+
+
+def new_session(session_id: str, scope: str, decode_worker: str, explicit_id: bool) -> Session:
+    return Session(session_id, scope, decode_worker, created=time.time(), explicit_id=explicit_id)
+
+
+def continues(session: Session, hashes: Sequence[str]) -> bool:
+    """Whether a request (given its conversation_hashes) extends what the decode worker
+    holds; if the client rewrote history, the cached KV no longer counts as l_hist."""
+    n = session.conversation_len
+    return n == 0 or (len(hashes) > n and hashes[n - 1] == session.conversation_hash)

@@ -1,0 +1,248 @@
+"""Talking to engines: vLLM's HTTP surface, the same for GPU-free and vLLM workers.
+
+* ``tokenize``: prompt token count of a chat request (``POST /tokenize``);
+* ``prefill``: the first half of vLLM's disaggregated hand-off - the prompt on a
+  prefill worker with ``do_remote_decode`` and ``max_tokens: 1``, returning the
+  ``kv_transfer_params`` the decode worker needs;
+* ``stream``: a chat completion streamed from the decode worker (locally prefilled, or
+  pulling the prefill's KV), measured as it passes: first-token time, inter-token
+  gaps, usage, and the reply assembled for non-streaming clients;
+* ``load``: KV usage and queue lengths scraped from ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+NIXL_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class UpstreamError(Exception):
+    """A worker failed or answered with an error; ``status``/``body`` are its answer, if any."""
+
+    def __init__(self, message: str, status: int = 502, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, body
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    kv_usage: float
+    running: int
+    waiting: int
+
+
+@dataclass
+class Reply:
+    """What a streamed completion amounted to, built chunk by chunk."""
+
+    started: float  # when the round's TTFT clock started
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    gaps_s: float = 0.0  # sum of inter-token gaps
+    gaps: int = 0
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    head: dict[str, Any] | None = None  # id, created, model of the first chunk
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return self.gaps_s / self.gaps if self.gaps else None
+
+    def observe(self, chunk: dict[str, Any], now: float) -> bool:
+        """Take one chunk into account; False for the usage-only chunk, True otherwise."""
+        if self.head is None:
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            self.usage = chunk["usage"]
+            return False
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.gaps_s += now - (self.last_token_at or now)
+            self.gaps += 1
+        self.last_token_at = now
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            self.content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                self._merge_call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return True
+
+    def _merge_call(self, delta: dict[str, Any]) -> None:
+        index = delta.get("index", 0)
+        while len(self.tool_calls) <= index:
+            self.tool_calls.append({"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        call = self.tool_calls[index]
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+    def completion(self) -> dict[str, Any]:
+        """An OpenAI ``chat.completion`` for a client that did not ask to stream."""
+        head = self.head or {}
+        choice = {"index": 0, "message": self.message(), "logprobs": None, "finish_reason": self.finish_reason}
+        return {
+            "id": head.get("id"),
+            "object": "chat.completion",
+            "created": head.get("created"),
+            "model": head.get("model"),
+            "choices": [choice],
+            "usage": self.usage,
+        }
+
+
+class EngineClient:
+    """aiohttp rather than httpx on this hot path: httpx's pool scans every connection
+    (with a readability check each) on every request, which at a few hundred
+    concurrent streams made the gateway CPU-bound."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=5.0)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily, inside the running event loop
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def tokenize(self, url: str, model: str, messages: list[Any], tools: list[Any] | None) -> int:
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        return int((await self._post(f"{url}/tokenize", body))["count"])
+
+    async def prefill(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """Prefill on a prefill worker; returns the kv_transfer_params for the decoder."""
+        prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=NIXL_PREFILL)
+        if "max_completion_tokens" in prefill_body:
+            prefill_body["max_completion_tokens"] = 1
+        params = (await self._post(f"{url}/v1/chat/completions", prefill_body, request_id)).get("kv_transfer_params")
+        if not params:
+            raise UpstreamError(f"{url} returned no kv_transfer_params")
+        return params
+
+    async def stream(
+        self, url: str, body: dict[str, Any], request_id: str, reply: Reply, keep_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """Stream a chat completion from a worker; yields the SSE bytes to relay (every
+        event that arrived in one read, together) and fills ``reply`` as they pass.
+        The usage chunk the gateway always asks for is relayed only if ``keep_usage``."""
+        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        headers = {"X-Request-Id": request_id}
+        try:
+            async with self.http.post(f"{url}/v1/chat/completions", json=upstream_body, headers=headers) as r:
+                if r.status != 200:
+                    raise await _error_from(url, r)
+                pending = b""
+                async for data in r.content.iter_any():
+                    now = time.time()
+                    *events, pending = (pending + data).split(b"\n\n")
+                    relay = []
+                    for event in events:
+                        if not event.startswith(b"data: "):
+                            continue
+                        payload = event[6:]
+                        if payload == b"[DONE]":
+                            break
+                        chunk = orjson.loads(payload)
+                        if "error" in chunk:
+                            message = chunk["error"].get("message")
+                            raise UpstreamError(f"{url} failed mid-stream: {message}", 502, chunk)
+                        if reply.observe(chunk, now) or keep_usage:
+                            relay.append(event + b"\n\n")
+                    if relay:
+                        yield b"".join(relay)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+
+    async def load(self, url: str) -> WorkerLoad:
+        return parse_load(await self._get(f"{url}/metrics", 2.0))
+
+    async def model(self, url: str) -> str:
+        return json.loads(await self._get(f"{url}/v1/models", 5.0))["data"][0]["id"]
+
+    async def _get(self, url: str, timeout_s: float) -> str:
+        try:
+            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise await _error_from(url, r)
+                return await r.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+
+    async def _post(self, url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+        headers = {"X-Request-Id": request_id} if request_id else None
+        try:
+            async with self.http.post(url, json=body, headers=headers) as r:
+                if r.status != 200:
+                    raise await _error_from(url, r)
+                return await r.json()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+
+
+LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def parse_load(exposition: str) -> WorkerLoad:
+    """The three gauges routing needs from a vLLM /metrics page, summed over label sets.
+
+    A line scan, not a full exposition parser: a scrape page holds hundreds of samples
+    and every gateway replica reads every worker's page every second.
+    """
+    values = dict.fromkeys(LOAD_METRICS, 0.0)
+    for line in exposition.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return WorkerLoad(
+        kv_usage=values["vllm:kv_cache_usage_perc"],
+        running=int(values["vllm:num_requests_running"]),
+        waiting=int(values["vllm:num_requests_waiting"]),
+    )
+
+
+async def _error_from(url: str, response: aiohttp.ClientResponse) -> UpstreamError:
+    try:
+        body = await response.json(content_type=None)
+    except ValueError:
+        body = None
+    return UpstreamError(f"{url} answered {response.status}", response.status, body if isinstance(body, dict) else None)

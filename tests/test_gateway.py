@@ -1,0 +1,344 @@
+"""The gateway end to end: real Redis, GPU-free workers and gateways in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import redis
+
+from ampd.local_redis import free_port
+from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
+REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+
+
+def script(rounds: int, output_tokens: int = 24) -> dict:
+    calls = [{"output_tokens": output_tokens, "tool_calls": [{"name": "search", "arguments": {"q": f"step {i}"}}]}
+             for i in range(rounds - 1)]  # fmt: skip
+    return {"rounds": [*calls, {"output_tokens": output_tokens}]}
+
+
+class Stack:
+    def __init__(self, tmp, prefix: str, gateway_options: tuple[str, ...] = (), worker_options: tuple[str, ...] = ()):
+        self.tmp, self.prefix = tmp, prefix
+        self.redis = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        common = ("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--speed", "20", *worker_options)
+        self.prefill = start_sim_worker(tmp, "--role", "prefill", *common)
+        self.decode = start_sim_worker(tmp, "--role", "decode", "--enable-prompt-tokens-details", *common)
+        self.gateways = [start_gateway(tmp, REDIS_URL, prefix, *gateway_options)]
+
+    def add_gateway(self, *options: str):
+        self.gateways.append(start_gateway(self.tmp, REDIS_URL, self.prefix, *options))
+        return self.gateways[-1]
+
+    @property
+    def url(self) -> str:
+        return self.gateways[0].url
+
+    def close(self) -> None:
+        for child in self.gateways:
+            child.stop()
+        stop(self.prefill)
+        stop(self.decode)
+        keys = list(self.redis.scan_iter(match=f"{self.prefix}:*", count=1000))
+        if keys:
+            self.redis.delete(*keys)
+
+    def session(self, session_id: str) -> dict:
+        return self.redis.hgetall(f"{self.prefix}:session:public:{session_id}")
+
+    def routes(self, gateway_url: str | None = None) -> dict[str, float]:
+        text = httpx.get(f"{gateway_url or self.url}/metrics").text
+        out: dict[str, float] = {"local": 0.0, "remote": 0.0}
+        for line in text.splitlines():
+            if line.startswith("ampd_route_total"):
+                kind = "local" if 'route="local"' in line else "remote"
+                out[kind] += float(line.rsplit(" ", 1)[1])
+        return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("gateway"), f"test-{uuid.uuid4().hex[:8]}")
+    yield s
+    s.close()
+
+
+def agent_loop(client: openai.OpenAI, rounds: int, stream_every: int = 2, session_id: str | None = None):
+    """A ReAct-style loop through the OpenAI SDK; yields (headers, usage, finish) after each round."""
+    messages: list = [{"role": "system", "content": "You are an agent."},
+                      {"role": "user", "content": f"Research {uuid.uuid4().hex} " * 30}]  # fmt: skip
+    extra = {"sim_script": script(rounds)}
+    headers = {"X-Session-Id": session_id} if session_id else {}
+    for k in range(rounds):
+        if k % stream_every == 1:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, tools=[SEARCH], stream=True, stream_options={"include_usage": True},
+                extra_body=extra, extra_headers=headers,
+            )  # fmt: skip
+            content, calls, usage, finish = "", {}, None, None
+            for chunk in raw.parse():
+                if chunk.usage:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    finish = choice.finish_reason or finish
+                    for tc in choice.delta.tool_calls or []:
+                        call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                        call["id"] = tc.id or call["id"]
+                        call["name"] += (tc.function.name or "") if tc.function else ""
+                        call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                          "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                         for c in calls.values()]  # fmt: skip
+        else:
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, tools=[SEARCH], extra_body=extra, extra_headers=headers
+            )
+            response = raw.parse()
+            usage, finish = response.usage, response.choices[0].finish_reason
+            message = response.choices[0].message.model_dump(exclude_none=True)
+        messages.append(message)
+        if message.get("tool_calls"):
+            messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "found " * 40})
+        yield raw.headers, usage, finish
+
+
+def test_a_five_round_agent_session_is_bound_once(stack):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    rounds = list(agent_loop(client, 5))
+    session_ids = {h["x-session-id"] for h, _, _ in rounds}
+    assert len(session_ids) == 1  # inferred from the conversation: no id was given
+    assert [f for _, _, f in rounds] == ["tool_calls"] * 4 + ["stop"]
+    record = stack.session(session_ids.pop())
+    assert record["decode_worker"] == f"sim-decode-127.0.0.1:{stack.decode.url.rsplit(':', 1)[1]}"
+    assert int(record["rounds"]) == 5
+    last = rounds[-1][1]
+    assert int(record["l_hist"]) == last.prompt_tokens + last.completion_tokens
+    routes = {h["x-ampd-route"].split(":", 1)[0] for h, _, _ in rounds}
+    assert routes <= {"local", "remote"}
+
+
+def test_no_round_loses_its_kv(stack):
+    """Every round finds the session's history on the bound decode worker: locally
+    prefilled rounds hit its prefix cache; remote ones pull only what is new."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    decode = Engine(stack.decode.url, MODEL)
+    session_id = f"kv-{uuid.uuid4().hex}"
+    previous = None
+    hits_before = decode.metrics()["vllm:prefix_cache_hits_total"]
+    pulled_before = decode.metrics()["vllm:nixl_num_descriptors_sum"]
+    for headers, usage, _ in agent_loop(client, 4, stream_every=10, session_id=session_id):
+        after = decode.metrics()
+        hit = after["vllm:prefix_cache_hits_total"] - hits_before
+        pulled_blocks = after["vllm:nixl_num_descriptors_sum"] - pulled_before
+        hits_before, pulled_before = after["vllm:prefix_cache_hits_total"], after["vllm:nixl_num_descriptors_sum"]
+        if previous is not None:
+            held = previous.prompt_tokens + previous.completion_tokens
+            assert hit >= (held - 16) // 16 * 16, (headers["x-ampd-route"], hit, held)
+            if headers["x-ampd-route"].startswith("remote"):
+                assert pulled_blocks <= -(-(usage.prompt_tokens - hit) // 16)
+        previous = usage
+    assert stack.session(session_id)["rounds"] == "4"
+
+
+def test_litellm_drives_a_tool_session(stack):
+    import litellm
+
+    session_id = f"litellm-{uuid.uuid4().hex}"
+    messages: list = [{"role": "user", "content": "Find three facts about Redis."}]
+    finishes = []
+    for _ in range(3):
+        response = litellm.completion(
+            model=f"openai/{MODEL}", api_base=f"{stack.url}/v1", api_key="unused", messages=messages,
+            tools=[SEARCH], extra_headers={"X-Session-Id": session_id}, extra_body={"sim_script": script(3)},
+        )  # fmt: skip
+        choice = response.choices[0]
+        finishes.append(choice.finish_reason)
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if choice.message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "a fact"})
+    assert finishes == ["tool_calls", "tool_calls", "stop"]
+    assert stack.session(session_id)["rounds"] == "3"
+
+
+def test_streaming_passes_usage_only_when_asked(stack):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": 8}
+    plain = sse_events(httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30))
+    assert plain[-1] == "[DONE]" and all(c["choices"] for c in plain[:-1])
+    assert plain[0]["choices"][0]["delta"]["role"] == "assistant"
+    with_usage = sse_events(httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+                                       json={**body, "stream_options": {"include_usage": True}}))  # fmt: skip
+    assert with_usage[-2]["choices"] == [] and with_usage[-2]["usage"]["completion_tokens"] >= 1
+
+
+def test_a_shared_system_prompt_does_not_merge_sessions(stack):
+    system = {"role": "system", "content": "Shared instructions. " * 10}
+    ids = set()
+    for user in ("first question", "second question"):
+        response = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [system, {"role": "user", "content": user}], "max_tokens": 4})  # fmt: skip
+        ids.add(response.headers["x-session-id"])
+        reply = response.json()["choices"][0]["message"]
+        follow = [system, {"role": "user", "content": user}, reply, {"role": "user", "content": "go on"}]
+        again = httpx.post(f"{stack.url}/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "messages": follow, "max_tokens": 4})  # fmt: skip
+        assert again.headers["x-session-id"] == response.headers["x-session-id"]
+    assert len(ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**8}, 400, "max_tokens"),
+    ],
+)
+def test_bad_requests_get_openai_errors(stack, body, status, param):
+    response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_oversized_and_malformed_bodies(stack):
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}
+    assert httpx.post(f"{stack.url}/v1/chat/completions", json=huge, timeout=30).status_code == 413
+    bad = httpx.post(f"{stack.url}/v1/chat/completions", content=b"{nope", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_keys_and_no_workers(tmp_path, stack):
+    keyed = stack.add_gateway(
+        "--api-key", "sk-test-1", "--api-key", "sha256:" + __import__("hashlib").sha256(b"sk-2").hexdigest()
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{keyed.url}/v1/chat/completions", json=body).status_code == 401
+    wrong = httpx.post(f"{keyed.url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-x"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    for key in ("sk-test-1", "sk-2"):
+        ok = httpx.post(f"{keyed.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    # A gateway whose registry namespace has no workers: not ready, and 503 for requests.
+    empty = start_gateway_unready(tmp_path)
+    try:
+        assert httpx.get(f"{empty.url}/readyz").status_code == 503
+        response = httpx.post(f"{empty.url}/v1/chat/completions", json=body)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "no_worker"
+    finally:
+        empty.stop()
+
+
+def start_gateway_unready(tmp_path):
+    from ampd.processes import spawn_gateway, wait_healthy
+
+    port = free_port()
+    child = spawn_gateway("empty", port, ["--redis-url", REDIS_URL, "--redis-prefix", f"empty-{uuid.uuid4().hex[:6]}"],
+                          log=tmp_path / "empty.log")  # fmt: skip
+    assert wait_healthy([child], 30, path="/healthz") is None
+    return child
+
+
+def test_two_gateways_share_bindings_queues_and_statistics(stack):
+    second = stack.add_gateway()
+    session_id = f"alt-{uuid.uuid4().hex}"
+    messages: list = [{"role": "user", "content": "Plan a trip " * 40}]
+    routes = []
+    for k in range(4):
+        url = (stack.url, second.url)[k % 2]
+        response = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"X-Session-Id": session_id},
+                              json={"model": MODEL, "messages": messages, "tools": [SEARCH],
+                                    "sim_script": script(4)})  # fmt: skip
+        assert response.status_code == 200 and response.headers["x-session-id"] == session_id
+        routes.append(response.headers["x-ampd-route"])
+        message = response.json()["choices"][0]["message"]
+        messages += [message]
+        if message.get("tool_calls"):
+            messages.append({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "ok " * 20})
+    record = stack.session(session_id)
+    assert record["rounds"] == "4"  # both replicas updated one record
+    assert {r.split(":", 1)[1] for r in routes if r.startswith("local")} <= {record["decode_worker"]}
+
+    # One prefill slot per worker, shared: under load through both replicas the in-flight
+    # set never holds more than one task per worker, and every request completes.
+    prefix, worst, done = stack.prefix, {}, threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            for key in stack.redis.scan_iter(match=f"{prefix}:inflight:*"):
+                worst[key] = max(worst.get(key, 0), stack.redis.zcard(key))
+            time.sleep(0.002)
+
+    def one(i: int) -> int:
+        url = (stack.url, second.url)[i % 2]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"job {i} " * 200}], "max_tokens": 4}
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).status_code
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(one, range(32)))
+    done.set()
+    sampler.join()
+    assert statuses == [200] * 32
+    assert worst and max(worst.values()) == 1
+    # Both replicas' observations land in the same windowed statistics.
+    itl_samples = sum(int(stack.redis.hget(k, "n") or 0) for k in stack.redis.scan_iter(match=f"{prefix}:stat:itl:*"))
+    assert itl_samples >= 32
+
+
+def test_routes_shift_to_local_under_load(tmp_path):
+    """Lightly loaded, prefill workers have TTFT slack and take the rounds; when their
+    windowed TTFT passes alpha * TTFT_thres, incremental prefills stay local."""
+    stack = Stack(tmp_path, f"load-{uuid.uuid4().hex[:8]}", gateway_options=("--ttft-slo", "0.05"))
+    try:
+
+        def session(i: int) -> list[str]:
+            messages: list = [{"role": "user", "content": f"task {i} " * 150}]
+            out = []
+            for _ in range(3):
+                response = httpx.post(f"{stack.url}/v1/chat/completions", timeout=120,
+                                      json={"model": MODEL, "messages": messages, "tools": [SEARCH],
+                                            "sim_script": script(3, 8)})  # fmt: skip
+                out.append(response.headers["x-ampd-route"].split(":", 1)[0])
+                message = response.json()["choices"][0]["message"]
+                messages += [message]
+                if message.get("tool_calls"):
+                    messages.append(
+                        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "x " * 300}
+                    )
+            return out
+
+        quiet = [r for i in range(3) for r in session(i)]  # one session at a time
+        time.sleep(11)  # let the quiet phase's statistics leave the window
+        with ThreadPoolExecutor(24) as pool:
+            busy = [r for rs in pool.map(session, range(100, 148)) for r in rs]
+        quiet_remote = quiet.count("remote") / len(quiet)
+        busy_remote = busy.count("remote") / len(busy)
+        assert quiet_remote > 0.8, quiet
+        assert busy_remote < quiet_remote - 0.3, (quiet_remote, busy_remote)
+        print(json.dumps({"quiet_remote_share": quiet_remote, "busy_remote_share": busy_remote}))
+    finally:
+        stack.close()

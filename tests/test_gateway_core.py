@@ -1,0 +1,236 @@
+"""The gateway's pure scheduling core: Alg. 1, Eq. 1-2, Alg. 2, binding, policies, identity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.binding import DecodeCandidate, choose_decode_worker
+from gateway.policies import POLICIES, pick, route
+from gateway.reordering import QueuedTask, postponed_by, reorder, satisfied
+from gateway.routing import PrefillTask, WorkerView, adaptive_route, local_cost, remote_cost
+from gateway.sessions import (
+    Session,
+    canonical_message,
+    continues,
+    conversation_hashes,
+    explicit_session_id,
+)
+from planner.profile import load_profile, t_kv
+from planner.slo import SLO
+
+D_PROFILE = load_profile("llama-3.1-70b_h20_tp4")
+P_PROFILE = load_profile("llama-3.1-70b_h20_tp2")
+SLO_ = SLO(ttft_s=1.0, itl_s=0.05)
+TASK = PrefillTask("t1", "s1", l_hist=3000, l_total=3400, created_at=100.0)
+
+
+def decode(**kw) -> WorkerView:
+    return WorkerView("d", D_PROFILE, **kw)
+
+
+def prefill(worker_id: str, **kw) -> WorkerView:
+    return WorkerView(worker_id, P_PROFILE, **kw)
+
+
+# -- Alg. 1 -------------------------------------------------------------------------
+
+
+def test_alg1_takes_the_first_prefill_worker_with_ttft_slack_in_random_order():
+    prefills = [prefill("p1", windowed_ttft=0.5), prefill("p2", windowed_ttft=0.85), prefill("p3", windowed_ttft=2.0)]
+    seen = {
+        adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(seed)).worker_id for seed in range(40)
+    }
+    assert seen == {"p1", "p2"}  # both have TTFT <= 0.9 s; p3 never qualifies
+    chosen = adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(0))
+    assert chosen.kind == "remote" and chosen.reason == "ttft-slack" and chosen.estimate_s is None
+
+
+def test_alg1_workers_without_samples_count_as_idle():
+    chosen = adaptive_route(TASK, decode(), [prefill("p1")], SLO_, 0.9, 0.85, random.Random(0))
+    assert (chosen.kind, chosen.reason) == ("remote", "ttft-slack")
+
+
+def test_alg1_goes_local_when_only_the_decode_worker_has_slack():
+    prefills = [prefill("p1", windowed_ttft=0.95)]
+    chosen = adaptive_route(TASK, decode(windowed_itl=0.0425), prefills, SLO_, 0.9, 0.85, random.Random(0))
+    assert (chosen.kind, chosen.worker_id, chosen.reason) == ("local", "d", "itl-slack")
+
+
+def test_alg1_falls_back_to_the_cheapest_of_eq1_and_eq2():
+    prefills = [prefill("p1", windowed_ttft=3.0, queue_cost=0.2), prefill("p2", windowed_ttft=3.0, queue_cost=5.0)]
+    busy = decode(windowed_itl=0.2, queue_cost=0.0)
+    chosen = adaptive_route(TASK, busy, prefills, SLO_, 0.9, 0.85, random.Random(0))
+    costs = {
+        "d": local_cost(TASK, busy),
+        "p1": remote_cost(TASK, prefills[0], busy),
+        "p2": remote_cost(TASK, prefills[1], busy),
+    }
+    assert chosen.reason == "cost" and chosen.worker_id == min(costs, key=costs.get)
+    assert chosen.estimate_s == pytest.approx(min(costs.values()))
+    # With a long local queue the same task goes remote.
+    swamped = decode(windowed_itl=0.2, queue_cost=30.0)
+    assert adaptive_route(TASK, swamped, prefills, SLO_, 0.9, 0.85, random.Random(0)).worker_id == "p1"
+
+
+def test_eq1_by_hand():
+    d = decode(queue_cost=0.3)
+    expected = D_PROFILE.t_pre(3000, 400) + 0.3
+    assert local_cost(TASK, d) == pytest.approx(expected)
+    # Each piece, by hand: forward over 400 tokens, causal attention pairs, history read.
+    p = D_PROFILE.pieces
+    pairs = 400 * 3000 + 400 * 401 / 2
+    assert D_PROFILE.t_pre(3000, 400) == pytest.approx(
+        p.forward(400) + p.prefill_attention(pairs) + p.context_read(3000)
+    )
+
+
+def test_eq2_charges_what_vllm_really_moves():
+    d = decode()
+    cold = prefill("p", queue_cost=0.5)
+    warm = prefill("p", queue_cost=0.5, cached_tokens=2900)
+    # A prefill worker with nothing cached recomputes the whole history ...
+    assert remote_cost(TASK, cold, d) == pytest.approx(P_PROFILE.t_pre(0, 3400) + t_kv(400, P_PROFILE, D_PROFILE) + 0.5)
+    # ... one that served the session before only what it lacks; d pulls only the new 400 tokens.
+    assert remote_cost(TASK, warm, d) == pytest.approx(
+        P_PROFILE.t_pre(2900, 500) + t_kv(400, P_PROFILE, D_PROFILE) + 0.5
+    )
+    assert remote_cost(TASK, warm, d) < remote_cost(TASK, cold, d)
+
+
+def test_costs_scale_with_worker_speed():
+    fast = WorkerView("d", D_PROFILE, speed=20.0)
+    assert local_cost(TASK, fast) == pytest.approx(local_cost(TASK, decode()) / 20)
+
+
+# -- Alg. 2 -------------------------------------------------------------------------
+
+
+def queued(task_id: str, age: float, estimate: float, thres: float = 1.0, postponed: int = 0) -> QueuedTask:
+    return QueuedTask(task_id, created_at=10.0 - age, estimate_s=estimate, ttft_thres_s=thres, postponed=postponed)
+
+
+def test_eq4_counts_tasks_meeting_ttft():
+    window = [queued("a", 0.0, 0.6), queued("b", 0.5, 0.3)]
+    assert satisfied(window, (0, 1), now=10.0) == 1  # b finishes at 0.9 after 0.5 waiting: misses
+    assert satisfied(window, (1, 0), now=10.0) == 2  # b at 0.3 (+0.5), a at 0.9
+
+
+def test_alg2_reorders_to_save_the_urgent_task():
+    window = [queued("a", 0.0, 0.6), queued("b", 0.5, 0.3), queued("c", 0.0, 0.05)]
+    decision = reorder(window, now=10.0, cap=3)
+    assert decision.satisfied == 3 and decision.order[0] in (1, 2)
+    assert 0 in decision.postponed
+
+
+def test_alg2_keeps_fifo_when_reordering_gains_nothing():
+    window = [queued("a", 0.0, 0.1), queued("b", 0.0, 0.1), queued("c", 0.0, 0.1)]
+    decision = reorder(window, now=10.0, cap=3)
+    assert decision.order == (0, 1, 2) and decision.postponed == ()
+
+
+def test_alg2_never_postpones_a_task_at_the_cap():
+    window = [queued("a", 0.0, 0.6, postponed=3), queued("b", 0.5, 0.3), queued("c", 0.0, 0.05)]
+    decision = reorder(window, now=10.0, cap=3)
+    assert decision.order[0] == 0 and 0 not in decision.postponed
+
+
+def test_postponement_means_being_overtaken():
+    assert postponed_by((0, 1, 2)) == ()
+    assert postponed_by((2, 0, 1)) == (0, 1)
+    assert postponed_by((0, 2, 1)) == (1,)
+    assert postponed_by((1, 0, 2)) == (0,)
+
+
+def test_starvation_is_bounded_under_a_stream_of_urgent_tasks():
+    """A slow task keeps getting overtaken by urgent newcomers, but at most w times."""
+    w, now = 3, 0.0
+    slow = QueuedTask("slow", created_at=0.0, estimate_s=0.9, ttft_thres_s=1.0)
+    queue = [slow]
+    served = []
+    for i in range(10):
+        queue.append(QueuedTask(f"u{i}", created_at=now, estimate_s=0.1, ttft_thres_s=0.15))
+        window = queue[:w]
+        decision = reorder(window, now, cap=w)
+        for j in decision.postponed:
+            t = window[j]
+            queue[queue.index(t)] = QueuedTask(t.task_id, t.created_at, t.estimate_s, t.ttft_thres_s, t.postponed + 1)
+        head = queue[decision.order[0]]
+        served.append(head.task_id)
+        queue.remove(head)
+        now += head.estimate_s
+    assert "slow" in served[: w + 1]
+
+
+# -- policies and binding -----------------------------------------------------------
+
+
+def test_policies_route_as_their_baselines_do():
+    prefills = [prefill("p1", queue_cost=2.0), prefill("p2", queue_cost=0.1)]
+    rng = random.Random(0)
+    assert route(POLICIES["disagg"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).worker_id == "p2"
+    assert route(POLICIES["coloc"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).kind == "local"
+    assert route(POLICIES["continuum"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).kind == "local"
+    assert route(POLICIES["ampd"], TASK, decode(), [], SLO_, 0.9, 0.85, rng).kind == "local"  # no prefill workers
+
+
+def test_queue_disciplines():
+    window = [queued("a", 0.0, 0.6), queued("b", 0.5, 0.3), QueuedTask("c", 10.0, 0.05, 1.0, incremental=True)]
+    assert pick(POLICIES["disagg"], window[:1], 10.0, 3).order == (0,)
+    assert pick(POLICIES["continuum"], window, 10.0, 3).order[0] == 2
+    assert pick(POLICIES["ampd"], window, 10.0, 3).satisfied == 3
+    assert POLICIES["ampd"].window(3) == 3 and POLICIES["ampd-routing-only"].window(3) == 1
+
+
+def test_binding_picks_the_lowest_expected_kv_usage():
+    candidates = [DecodeCandidate("a", 0.30, 100_000), DecodeCandidate("b", 0.20, 100_000, pending_tokens=20_000)]
+    assert choose_decode_worker(candidates) == "a"  # b's scrape is stale: 0.2 + 0.2 expected
+    assert choose_decode_worker([DecodeCandidate("a", 0.3, 10), DecodeCandidate("b", 0.1, 10)]) == "b"
+    with pytest.raises(ValueError):
+        choose_decode_worker([])
+
+
+# -- session identity -----------------------------------------------------------------
+
+
+def test_explicit_session_id_precedence():
+    body = {"prompt_cache_key": "pck", "user": "u", "metadata": {"session_id": "m"}}
+    assert explicit_session_id({"x-session-id": "h"}, body) == "h"
+    assert explicit_session_id({}, body) == "pck"
+    assert explicit_session_id({}, {"user": "u", "metadata": {"session_id": "m"}}) == "u"
+    assert explicit_session_id({}, {"metadata": {"session_id": "m"}}) == "m"
+    assert explicit_session_id({}, {"messages": []}) is None
+
+
+def test_canonical_messages_ignore_what_clients_reformat():
+    a = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": '{"x": 1, "y": 2}'}}]}  # fmt: skip
+    b = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"name": "f",
+         "arguments": '{"y":2,"x":1}'}}]}  # fmt: skip
+    assert canonical_message(a) == canonical_message(b)
+    assert canonical_message({"role": "user", "content": "hi "}) == canonical_message(
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}
+    )
+    assert canonical_message({"role": "user", "content": "hi"}) != canonical_message(
+        {"role": "system", "content": "hi"}
+    )
+
+
+def test_hashes_are_chained_and_scoped():
+    system = {"role": "system", "content": "You are helpful."}
+    one = conversation_hashes("k1", [system, {"role": "user", "content": "a"}])
+    two = conversation_hashes("k1", [system, {"role": "user", "content": "b"}])
+    assert one[0] == two[0] and one[1] != two[1]  # a shared system prompt is only a shared prefix
+    assert conversation_hashes("k2", [system])[0] != one[0]  # another key never sees the same hashes
+
+
+def test_continues_detects_rewritten_history():
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    hashes = conversation_hashes("s", messages)
+    session = Session("id", "s", "d", l_hist=50, conversation_len=2, conversation_hash=hashes[-1])
+    longer = conversation_hashes("s", messages + [{"role": "user", "content": "c"}])
+    edited = conversation_hashes(
+        "s", [{"role": "user", "content": "A"}, *messages[1:], {"role": "user", "content": "c"}]
+    )
+    assert continues(session, longer) and not continues(session, edited)
