@@ -1,0 +1,1 @@
+"""The coordinator: OpenAI API, sessions, routing, prefill queues, windowed statistics."""
