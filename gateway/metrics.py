@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
@@ -26,7 +26,7 @@ class GatewayMetrics:
         )
         self.postponements = Counter("ampd_reorder_postponements", "Tasks postponed by prefill reordering.", registry=r)
         self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
-        self.sessions = Gauge("ampd_sessions_bound", "Sessions this replica bound since it started.", registry=r)
+        self.sessions = Counter("ampd_sessions_bound", "New sessions this replica bound to a decode worker.", registry=r)
         self.decision = Histogram(
             "ampd_routing_decision_seconds",
             "Time the routing policy itself took (no I/O).",

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.upstream import NIXL_PREFILL
 from tests.engines import Engine, sse_events
 
 WEATHER = {
@@ -226,14 +227,7 @@ def test_client_disconnect_aborts_and_frees_kv(engine: Engine):
 
 # -- prefill/decode hand-off ---------------------------------------------------------
 
-NIXL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+NIXL_PARAMS = NIXL_PREFILL  # what vLLM's disaggregation proxy sends to the prefill engine
 
 
 def handoff(prefill: Engine, decode: Engine, messages: list, **extra) -> tuple[dict, dict]:
