@@ -86,7 +86,7 @@ class Gateway:
             max_queue=config.max_queue,
             task_ttl_s=config.session_ttl_s,
         )
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
         self.rng = random.Random(config.routing_seed)
         self.key_hashes = config.key_hashes
         self._refresher: asyncio.Task | None = None

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
+class _Postponements(Collector):
+    """Read at scrape time from the prefill queues, which count them as they decide."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self.count = count
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", value=self.count()
+        )
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, postponements: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_Postponements(postponements))
         self.ttft = Histogram(
             "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
         )
@@ -24,9 +41,8 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.postponements = Counter("ampd_reorder_postponements", "Tasks postponed by prefill reordering.", registry=r)
         self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
-        self.sessions = Counter("ampd_sessions_bound", "New sessions this replica bound to a decode worker.", registry=r)
+        self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
         self.decision = Histogram(
             "ampd_routing_decision_seconds",
             "Time the routing policy itself took (no I/O).",

@@ -304,6 +304,7 @@ def test_two_gateways_share_bindings_queues_and_statistics(stack):
     sampler.join()
     assert statuses == [200] * 32
     assert worst and max(worst.values()) == 1
+    assert "ampd_reorder_postponements_total" in httpx.get(f"{second.url}/metrics").text
     # Both replicas' observations land in the same windowed statistics.
     itl_samples = sum(int(stack.redis.hget(k, "n") or 0) for k in stack.redis.scan_iter(match=f"{prefix}:stat:itl:*"))
     assert itl_samples >= 32
