@@ -104,6 +104,10 @@ def gateway(
         list[str] | None, typer.Option(envvar="AMPD_API_KEYS", help="accepted key (repeat); 'sha256:<hex>' for hashed")
     ] = None,
     worker: Annotated[list[str] | None, typer.Option(help="static worker: ROLE=URL[@PROFILE[@SPEED]] (repeat)")] = None,
+    server_tools: Annotated[
+        str, typer.Option(help="server-side tools requests may enable")
+    ] = "python,retrieve,calculator",
+    max_tool_rounds: Annotated[int, typer.Option(help="server tool rounds per request")] = 8,
     log_level: str = "warning",
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
@@ -136,6 +140,8 @@ def gateway(
         max_queue=max_queue,
         api_keys=tuple(api_key or ()),
         static_workers=tuple(static),
+        server_tools=tuple(t for t in server_tools.split(",") if t),
+        max_tool_rounds=max_tool_rounds,
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
 
@@ -152,10 +158,22 @@ def up(
     speed: float = 1.0,
     policy: str = "ampd",
 ) -> None:
-    """Start the local stack: Redis, one prefill and one decode GPU-free worker, the gateway."""
+    """Start the local stack: Redis, a prefill and a decode GPU-free worker, a tools worker, the gateway."""
     from ampd.stack import run_stack
 
     raise typer.Exit(run_stack(console, redis_url, gateway_port, prefill_port, decode_port, profile, speed, policy))
+
+
+@app.command("tools-worker")
+def tools_worker(
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+    workers: Annotated[int, typer.Option(help="worker processes")] = 1,
+) -> None:
+    """rq workers that run the gateway's server-side tool calls (python, retrieve, calculator)."""
+    from tools_sandbox.worker import run_workers
+
+    raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
 
 
 @profile_app.command("list")

@@ -1,24 +1,43 @@
 """`ampd up`: the whole local stack as child processes, stopped together on Ctrl-C.
 
 Redis (found or started), one prefill and one decode GPU-free worker registered in
-it, and the gateway in front of them.
+it, an rq tools worker for server-side tools, and the gateway in front of them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import redis as redis_lib
 from rich.console import Console
 from rich.table import Table
+from rq import Queue, Worker
 
 from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
+from tools_sandbox.client import queue_name
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
 REDIS_PREFIX = "ampd"
+
+
+def _tools_worker_ready(redis_url: str, process: subprocess.Popen, timeout_s: float = 30.0) -> bool:
+    """The tools worker counts as up once rq lists it as a worker of its queue."""
+    connection = redis_lib.Redis.from_url(redis_url)
+    queue = Queue(queue_name(REDIS_PREFIX), connection=connection)
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        if Worker.count(queue=queue):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _interrupt(*_: object) -> None:
@@ -51,9 +70,18 @@ def run_stack(
         )
         for role, port in (("prefill", prefill_port), ("decode", decode_port))
     ]
+    tools = subprocess.Popen(
+        [sys.executable, "-m", "ampd.cli", "tools-worker", *registry],
+        stdout=(STATE_DIR / "tools.log").open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     children = list(workers)
     try:
         failed = wait_healthy(workers)
+        if failed is None and not _tools_worker_ready(redis.url, tools):
+            console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
+            return 1
         if failed is None:
             gateway = spawn_gateway("gateway", gateway_port, [*registry, "--policy", policy], STATE_DIR / "gateway.log")
             children.append(gateway)
@@ -71,6 +99,7 @@ def run_stack(
         table.add_row("redis", f"{redis.url} ({redis.source})")
         for child in children:
             table.add_row(child.name, child.url)
+        table.add_row("tools worker (rq)", f"queue {queue_name(REDIS_PREFIX)}: python, retrieve, calculator")
         console.print(table)
         console.print(
             f"Try: curl -N {gateway.url}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -81,7 +110,7 @@ def run_stack(
         )
         console.print(f"OpenAI SDK: OpenAI(base_url='{gateway.url}/v1', api_key='unused'). Ctrl-C stops everything.")
         signal.signal(signal.SIGTERM, _interrupt)
-        while all(c.process.poll() is None for c in children):
+        while tools.poll() is None and all(c.process.poll() is None for c in children):
             time.sleep(0.5)
         console.print("[red]a process exited; stopping the stack[/red]")
         return 1
@@ -90,4 +119,7 @@ def run_stack(
     finally:
         for child in reversed(children):
             child.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(tools.pid, signal.SIGTERM)
+        tools.wait(timeout=10)
         redis.stop()

@@ -81,6 +81,7 @@ class ChatRequest(_Open):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    server_tools: list[str] | None = Field(default=None, description="server-side tools to enable (ampd extension)")
 
 
 def validation_error(exc: ValidationError | Any) -> APIError:

@@ -21,9 +21,10 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -40,27 +41,48 @@ from gateway.queues import PrefillQueues, QueueFull
 from gateway.routing import PrefillTask, Route, WorkerView
 from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.stats import WindowedStats
+from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.upstream import EngineClient, Reply, UpstreamError
 from planner.slo import SLO, derived_slo
+from tools_sandbox.client import ToolRunner
+from tools_sandbox.outcome import Outcome
+from tools_sandbox.registry import TOOLS, openai_tool
 
 log = logging.getLogger(__name__)
 REDIS_CONNECTIONS = 256
 
 
 @dataclass
-class Round:
-    """One request of a session, from arrival to its last token."""
+class Exchange:
+    """One client request; several engine rounds when server-side tools run."""
 
     arrival: float
     scope: str
-    body: dict[str, Any]
-    messages: list[dict[str, Any]]
+    body: dict[str, Any]  # the client's body, model resolved
+    client_messages: list[dict[str, Any]]
+    engine_messages: list[dict[str, Any]]  # what the engine sees: the session's transcript spliced in
+    engine_tools: list[dict[str, Any]] | None  # the client's tools plus the enabled server tools
+    server_tools: frozenset[str]
     session: Session
+    slo: SLO
+    wants_usage: bool
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # server tool rounds, for the client
+
+    def engine_body(self) -> dict[str, Any]:
+        body = {k: v for k, v in self.body.items() if k != "server_tools"}
+        body["messages"] = self.engine_messages
+        if self.engine_tools:
+            body["tools"] = self.engine_tools
+        return body
+
+
+@dataclass
+class Round:
+    """One prefill task and the decode that follows it."""
+
     task: PrefillTask
     route: Route
     decode: LiveWorker
-    slo: SLO
-    wants_usage: bool
 
 
 class Gateway:
@@ -89,6 +111,7 @@ class Gateway:
         self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
         self.rng = random.Random(config.routing_seed)
         self.key_hashes = config.key_hashes
+        self.tools = ToolRunner(config.redis_url, config.key_prefix)
         self._refresher: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -104,6 +127,7 @@ class Gateway:
             await asyncio.gather(self._refresher, return_exceptions=True)
         await self.queues.stop()
         await self.client.close()
+        self.tools.close()
         await self.redis.aclose()
 
     async def _refresh_forever(self) -> None:
@@ -142,15 +166,16 @@ class Gateway:
             raise APIError(503, f"no decode worker is available for {requested}", code="no_worker")
         return requested
 
-    async def begin(self, raw: dict[str, Any], headers: dict[str, str], scope: str) -> Round:
-        """Everything before the prefill runs: session, binding, counting, routing."""
+    async def open(self, raw: dict[str, Any], headers: dict[str, str], scope: str) -> tuple[Exchange, Round]:
+        """Everything before the first prefill runs: session, binding, counting, routing."""
         arrival = time.time()
         try:
             request = ChatRequest.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(exc) from exc
         model = self.resolve_model(request.model)
-        body = dict(raw, model=model)
+        server_tools = self._enabled_tools(request)
+        engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         hashes = conversation_hashes(scope, messages)
         explicit = explicit_session_id(headers, raw)
@@ -158,21 +183,26 @@ class Gateway:
         counter = min(decoders, key=lambda w: w.load.kv_usage)
         # One concurrent stage: the session, the prompt's length, and the load signals of
         # every worker the round could go to (which one it is depends on the first two).
-        candidates = {w.info.worker_id for w in decoders + self.pool.prefillers(model, exclude="")}
-        session, l_total, signals = await asyncio.gather(
+        found, l_total, signals = await asyncio.gather(
             self._find_session(scope, explicit, hashes),
-            self.client.tokenize(counter.info.url, model, raw["messages"], raw.get("tools")),
-            self._signals(candidates),
+            self.client.tokenize(counter.info.url, model, messages, engine_tools or None),
+            self._signals({w.info.worker_id for w in decoders + self.pool.prefillers(model, exclude="")}),
         )
+        session, transcript = found
+        extends = session is not None and continues(session, hashes)
+        engine_messages = messages
+        if extends and transcript is not None:  # server tool rounds the client never saw
+            engine_messages = transcript + messages[session.conversation_len :]
+            l_total = await self.client.tokenize(counter.info.url, model, engine_messages, engine_tools or None)
         session = self._bind(session, scope, explicit, model, l_total)
-        decode = self.pool.get(session.decode_worker)
-        assert decode is not None  # _bind guarantees a live decode worker
-        l_hist = min(session.l_hist, l_total - 1) if continues(session, hashes) else 0
-        task = PrefillTask(uuid.uuid4().hex, session.session_id, l_hist, l_total, arrival)
-        slo = self.slo_for(model)
-        chosen = self._route(task, session, decode, model, slo, *signals)
+        if not extends:  # new, or the client rewrote its history: nothing cached counts
+            session.l_hist = 0
         wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
-        return Round(arrival, scope, body, messages, session, task, chosen, decode, slo, wants_usage)
+        exchange = Exchange(
+            arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,
+            server_tools, session, self.slo_for(model), wants_usage,
+        )  # fmt: skip
+        return exchange, self.plan(exchange, arrival, l_total, *signals)
 
     async def _signals(self, worker_ids: set[str]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
         """Queued prefill seconds and windowed TTFT/ITL of the given workers."""
@@ -180,11 +210,44 @@ class Gateway:
         costs, means = await asyncio.gather(self.queues.queue_costs(worker_ids), self.stats.means(wanted))
         return costs, means
 
-    async def _find_session(self, scope: str, explicit: str | None, hashes: list[str]) -> Session | None:
+    def _enabled_tools(self, request: ChatRequest) -> frozenset[str]:
+        wanted = frozenset(request.server_tools or ())
+        unknown = wanted - set(self.config.server_tools)
+        if unknown:
+            raise APIError(400, f"server_tools not offered by this gateway: {sorted(unknown)}", param="server_tools")
+        clashing = wanted & {t.function.name for t in request.tools or []}
+        if clashing:
+            raise APIError(400, f"tools named like server tools: {sorted(clashing)}", param="tools")
+        return wanted
+
+    def plan(
+        self,
+        ex: Exchange,
+        created_at: float,
+        l_total: int,
+        costs: dict[str, float],
+        means: dict[tuple[str, str], float],
+    ) -> Round:
+        """A prefill task for the session's next round, and where it runs."""
+        session = ex.session
+        decode = self.pool.get(session.decode_worker)
+        if decode is None:
+            raise APIError(503, f"decode worker {session.decode_worker} left the pool", code="no_worker")
+        l_hist = min(session.l_hist, l_total - 1)
+        task = PrefillTask(uuid.uuid4().hex, session.session_id, l_hist, l_total, created_at)
+        return Round(task, self._route(task, session, decode, decode.info.model, ex.slo, costs, means), decode)
+
+    async def _find_session(
+        self, scope: str, explicit: str | None, hashes: list[str]
+    ) -> tuple[Session | None, list[dict[str, Any]] | None]:
+        """The request's session, and its transcript if server-side rounds made one."""
         session_id = explicit or await self.sessions.infer(scope, hashes)
         if session_id is None:
-            return None
-        return await self.sessions.load(scope, session_id)
+            return None, None
+        session = await self.sessions.load(scope, session_id)
+        if session is None or not session.has_transcript:
+            return session, None
+        return session, await self.sessions.transcript(scope, session_id)
 
     def _bind(self, session: Session | None, scope: str, explicit: str | None, model: str, l_total: int) -> Session:
         """AMPD step 1 for new sessions, and re-binding for sessions whose worker is gone
@@ -239,27 +302,85 @@ class Gateway:
         self.metrics.routes.labels(chosen.kind, chosen.reason).inc()
         return chosen
 
-    def _estimate(self, r: Round) -> float:
+    def _estimate(self, session: Session, r: Round) -> float:
         """t_pre of the task on the worker it was routed to (what its queue will hold)."""
         task = r.task
         if r.route.kind == "local":
             return r.decode.info.profile.t_pre(task.l_hist, task.l_incr) / r.decode.info.speed
         worker = self.pool.get(r.route.worker_id)
         assert worker is not None
-        cached = min(r.session.prefill_cached, task.l_total - 1) if r.session.prefill_worker == r.route.worker_id else 0
+        cached = min(session.prefill_cached, task.l_total - 1) if session.prefill_worker == r.route.worker_id else 0
         return worker.info.profile.t_pre(cached, task.l_total - cached) / worker.info.speed
 
-    async def run(self, r: Round, reply: Reply) -> AsyncIterator[bytes]:
-        """Queue, prefill and decode the round; yields the SSE events the client gets
-        and fills ``reply`` (what a non-streaming client gets) on the way."""
+    async def converse(self, ex: Exchange, first: Round, client: Reply) -> AsyncIterator[bytes]:
+        """Run the exchange's rounds; yields the SSE events the client gets and fills
+        ``client`` (what a non-streaming client gets). Without server-side tools this
+        is one round relayed as it is; with them, every round whose calls are all
+        server-side is followed by the tools and another round (gateway.tool_loop)."""
+        r, usage = first, {"prompt_tokens": 0, "completion_tokens": 0}
+        for index in range(1, self.config.max_tool_rounds + 2):
+            engine = Reply(started=r.task.created_at) if ex.server_tools else client
+            view = ClientView(ex.server_tools, engine, client, index > self.config.max_tool_rounds)
+            async for events in self.run_round(ex, r, engine, view if ex.server_tools else None):
+                yield events
+            for key in usage:
+                usage[key] += int((engine.usage or {}).get(key, 0))
+            calls = view.server_calls() if ex.server_tools else []
+            message = engine.message()
+            if calls and index > self.config.max_tool_rounds:  # out of rounds: the calls go unanswered
+                message.pop("tool_calls")
+                calls = []
+            ex.engine_messages = ex.engine_messages + [message]
+            if not calls:
+                break
+            outcomes = list(await asyncio.gather(*(self._run_tool(c) for c in calls)))
+            ex.engine_messages = ex.engine_messages + tool_messages(calls, outcomes)
+            ex.rounds.append(round_summary(index, calls, outcomes))
+            if client.head is not None and self._streaming(ex):
+                yield b"data: " + orjson.dumps(announcement(client.head, index, calls, outcomes)) + b"\n\n"
+            if view.client_calls():
+                break  # the client has calls of its own to answer first
+            r = await self._next_round(ex)
+        if ex.server_tools:
+            client.usage = dict(usage, total_tokens=usage["prompt_tokens"] + usage["completion_tokens"])
+            if ex.wants_usage and self._streaming(ex) and client.head is not None:
+                yield b"data: " + orjson.dumps({**client.head, "object": "chat.completion.chunk", "choices": [],
+                                                "usage": client.usage}) + b"\n\n"  # fmt: skip
+        await self._close(ex, client)
+        yield b"data: [DONE]\n\n"
+
+    def _streaming(self, ex: Exchange) -> bool:
+        return bool(ex.body.get("stream"))
+
+    async def _run_tool(self, call: dict[str, Any]) -> Outcome:
+        started = time.perf_counter()
+        outcome = await self.tools.run(call["function"]["name"], call["function"]["arguments"])
+        self.metrics.tool_seconds.labels(call["function"]["name"]).observe(time.perf_counter() - started)
+        return outcome
+
+    async def _next_round(self, ex: Exchange) -> Round:
+        """The tool results are in: their incremental prefill is the next round's task."""
+        created = time.time()
+        model = ex.body["model"]
+        counter = self.pool.get(ex.session.decode_worker) or self.pool.decoders(model)[0]
+        candidates = {w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")}
+        l_total, signals = await asyncio.gather(
+            self.client.tokenize(counter.info.url, model, ex.engine_messages, ex.engine_tools),
+            self._signals(candidates),
+        )
+        return self.plan(ex, created, l_total, *signals)
+
+    async def run_round(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
+        """Queue, prefill and decode one round; yields what the client gets of it."""
         try:
-            dispatched = await self.queues.submit(r.route.worker_id, r.task, self._estimate(r), r.slo.ttft_s)
+            estimate = self._estimate(ex.session, r)
+            dispatched = await self.queues.submit(r.route.worker_id, r.task, estimate, ex.slo.ttft_s)
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full") from exc
         self.metrics.queue_wait.observe(dispatched.queued_s)
         slot_worker: str | None = r.route.worker_id
         request_id = uuid.uuid4().hex
-        body = r.body
+        body = ex.engine_body()
         route_kind, prefill_worker = r.route.kind, r.route.worker_id
         try:
             if r.route.kind == "remote":
@@ -277,20 +398,24 @@ class Gateway:
                     route_kind = "local"
                 self.queues.release(prefill_worker, r.task.task_id)
                 slot_worker = None
-            async for events in self.client.stream(r.decode.info.url, body, request_id, reply, r.wants_usage):
+            stream = self.client.stream(r.decode.info.url, body, request_id, reply, ex.wants_usage, view)
+            async for events in stream:
                 yield events
                 if slot_worker is not None:  # the first token is out: the local prefill is over
                     self.queues.release(slot_worker, r.task.task_id)
                     slot_worker = None
-            await self._remember(r, reply, route_kind, prefill_worker)
-            yield b"data: [DONE]\n\n"
+            if slot_worker is not None:  # nothing to relay this round (a hidden tool call)
+                self.queues.release(slot_worker, r.task.task_id)
+                slot_worker = None
+            await self._record_round(ex.session, r, reply, route_kind, prefill_worker)
         finally:
             if slot_worker is not None:
                 self.queues.release(slot_worker, r.task.task_id)
 
-    async def _remember(self, r: Round, reply: Reply, route_kind: str, prefill_worker: str) -> None:
-        """After the round: what the decode worker holds, and the round's TTFT and ITL."""
-        session = r.session
+    async def _record_round(
+        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str
+    ) -> None:
+        """After a round: what the decode worker holds, and the round's TTFT and ITL."""
         usage = reply.usage or {}
         session.l_hist = int(usage.get("prompt_tokens", r.task.l_total)) + int(usage.get("completion_tokens", 0))
         session.rounds += 1
@@ -301,7 +426,6 @@ class Gateway:
         observations = [(*ttft_series, reply.ttft_s or 0.0, 1 if reply.ttft_s is not None else 0)]
         observations.append(("itl", decode_id, reply.gaps_s, reply.gaps))
         async with self.redis.pipeline(transaction=False) as pipe:
-            self.sessions.save(pipe, session, r.messages + [reply.message()])
             self.stats.record(pipe, observations)
             await pipe.execute()
         kind = "incremental" if r.task.incremental else "initial"
@@ -309,6 +433,15 @@ class Gateway:
             self.metrics.ttft.labels(kind).observe(reply.ttft_s)
         if reply.mean_itl_s is not None:
             self.metrics.itl.observe(reply.mean_itl_s)
+
+    async def _close(self, ex: Exchange, client: Reply) -> None:
+        """Remember the exchange: the conversation the client now holds, and - when it
+        differs - what the engine holds, for the session's next request."""
+        conversation = ex.client_messages + [client.message()]
+        transcript = ex.engine_messages if ex.engine_messages != conversation else None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.sessions.save(pipe, ex.session, conversation, transcript)
+            await pipe.execute()
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -361,10 +494,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         scope = gateway.authenticate(request.headers.get("authorization"))
         raw = await _read_json(request, config.max_body_bytes)
-        r = await gateway.begin(raw, dict(request.headers), scope)
-        reply = Reply(started=r.arrival)
-        events = gateway.run(r, reply)
-        headers = {"X-Session-Id": r.session.session_id, "X-AMPD-Route": f"{r.route.kind}:{r.route.worker_id}"}
+        ex, first_round = await gateway.open(raw, dict(request.headers), scope)
+        client = Reply(started=ex.arrival)
+        events = gateway.converse(ex, first_round, client)
+        route = first_round.route
+        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}"}
         try:
             first = await anext(events)  # errors up to the first token still get a status code
         except UpstreamError as exc:
@@ -375,7 +509,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         async for _ in _safe(events):
             pass
         gateway.metrics.requests.labels("200").inc()
-        return JSONResponse(reply.completion(), headers=headers)
+        body = client.completion()
+        if ex.rounds:
+            body["ampd_tool_rounds"] = ex.rounds
+        return JSONResponse(body, headers=headers)
 
     return app
 

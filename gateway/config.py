@@ -8,6 +8,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.policies import POLICIES
+from tools_sandbox.registry import TOOLS
 from workers.registry import Role
 
 
@@ -47,6 +48,18 @@ class GatewayConfig(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0)
     scrape_interval_s: float = Field(default=1.0, gt=0)
     static_workers: tuple[StaticWorker, ...] = ()
+    server_tools: tuple[str, ...] = Field(
+        default=tuple(TOOLS), description="server-side tools requests may enable with `server_tools`"
+    )
+    max_tool_rounds: int = Field(default=8, ge=1, description="server tool rounds per request before it stops")
+
+    @field_validator("server_tools")
+    @classmethod
+    def _known_tools(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = set(value) - set(TOOLS)
+        if unknown:
+            raise ValueError(f"unknown server tools {sorted(unknown)}; known: {', '.join(TOOLS)}")
+        return value
 
     @field_validator("policy")
     @classmethod

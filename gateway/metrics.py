@@ -42,6 +42,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
+        self.tool_seconds = Histogram(
+            "ampd_tool_seconds", "Server-side tool call duration, queueing included.", ["tool"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
         self.decision = Histogram(
             "ampd_routing_decision_seconds",

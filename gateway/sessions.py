@@ -36,8 +36,9 @@ class Session:
     rounds: int = 0
     created: float = 0.0
     explicit_id: bool = True
-    conversation_len: int = 0  # messages in the conversation the decode worker holds
+    conversation_len: int = 0  # messages in the conversation the client holds
     conversation_hash: str = ""  # conversation_hashes(...)[-1] of that conversation
+    has_transcript: bool = False  # the engine holds more than the client sees (server tool rounds)
 
 
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -114,19 +115,40 @@ class SessionStore:
             explicit_id=fields["explicit_id"] == "1",
             conversation_len=int(fields["conversation_len"]),
             conversation_hash=fields["conversation_hash"],
+            has_transcript=fields["has_transcript"] == "1",
         )
 
-    def save(self, pipe: aioredis.client.Pipeline, session: Session, conversation: Sequence[Mapping[str, Any]]) -> None:
-        """Stage the session after a round on ``pipe``; ``conversation`` is everything the
-        decode worker now holds (the request's messages and the reply). Sessions without
-        a client-given id become findable by that conversation."""
+    def _transcript(self, scope: str, session_id: str) -> str:
+        return f"{self.p}:transcript:{scope}:{session_id}"
+
+    def save(
+        self,
+        pipe: aioredis.client.Pipeline,
+        session: Session,
+        conversation: Sequence[Mapping[str, Any]],
+        transcript: Sequence[Mapping[str, Any]] | None = None,
+    ) -> None:
+        """Stage the session after an exchange on ``pipe``. ``conversation`` is what the
+        client now holds (its messages and the reply it got); ``transcript``, when the
+        engine saw more (server tool rounds), is the engine's conversation. Sessions
+        without a client-given id become findable by their conversation."""
         session.conversation_len = len(conversation)
         session.conversation_hash = conversation_hashes(session.scope, conversation)[-1]
+        session.has_transcript = transcript is not None
         fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(session).items()}
-        pipe.hset(self._key(session.scope, session.session_id), mapping=fields)
-        pipe.expire(self._key(session.scope, session.session_id), self.ttl_s)
+        key = self._key(session.scope, session.session_id)
+        pipe.hset(key, mapping=fields)
+        pipe.expire(key, self.ttl_s)
+        if transcript is not None:
+            pipe.set(self._transcript(session.scope, session.session_id), json.dumps(list(transcript)), ex=self.ttl_s)
+        else:
+            pipe.delete(self._transcript(session.scope, session.session_id))
         if not session.explicit_id:
             pipe.set(self._conversation(session.scope, session.conversation_hash), session.session_id, ex=self.ttl_s)
+
+    async def transcript(self, scope: str, session_id: str) -> list[dict[str, Any]] | None:
+        raw = await self.redis.get(self._transcript(scope, session_id))
+        return None if raw is None else json.loads(raw)
 
     async def infer(self, scope: str, hashes: Sequence[str]) -> str | None:
         """The session whose stored conversation is the longest proper prefix of the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,11 +160,18 @@ class EngineClient:
         return params
 
     async def stream(
-        self, url: str, body: dict[str, Any], request_id: str, reply: Reply, keep_usage: bool
+        self,
+        url: str,
+        body: dict[str, Any],
+        request_id: str,
+        reply: Reply,
+        keep_usage: bool,
+        transform: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
     ) -> AsyncIterator[bytes]:
         """Stream a chat completion from a worker; yields the SSE bytes to relay (every
         event that arrived in one read, together) and fills ``reply`` as they pass.
-        The usage chunk the gateway always asks for is relayed only if ``keep_usage``."""
+        The usage chunk the gateway always asks for is relayed only if ``keep_usage``;
+        with a ``transform``, each chunk is relayed as it rewrites it (or dropped)."""
         upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
         headers = {"X-Request-Id": request_id}
         try:
@@ -186,7 +193,12 @@ class EngineClient:
                         if "error" in chunk:
                             message = chunk["error"].get("message")
                             raise UpstreamError(f"{url} failed mid-stream: {message}", 502, chunk)
-                        if reply.observe(chunk, now) or keep_usage:
+                        content = reply.observe(chunk, now)
+                        if transform is not None:
+                            rewritten = transform(chunk)
+                            if rewritten is not None:
+                                relay.append(b"data: " + orjson.dumps(rewritten) + b"\n\n")
+                        elif content or keep_usage:
                             relay.append(event + b"\n\n")
                     if relay:
                         yield b"".join(relay)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,3 +76,27 @@ def start_gateway(tmp: Path, redis_url: str, prefix: str, *options: str, timeout
         child.stop()
         raise RuntimeError(f"gateway did not become ready: {log.read_text()}")
     return child
+
+
+def start_tools_worker(tmp: Path, redis_url: str, prefix: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """An `ampd tools-worker` in its own process group (so a test can kill it, horses and all)."""
+    log = tmp / f"tools-{prefix}-{time.monotonic_ns()}.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampd.cli", "tools-worker", "--redis-url", redis_url, "--redis-prefix", prefix],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while "retrieve corpus" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"tools worker did not start: {log.read_text()}")
+        time.sleep(0.1)
+    return process
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)

@@ -58,6 +58,13 @@ def test_up_starts_redis_workers_and_the_gateway(tmp_path):
                      {"role": "tool", "tool_call_id": call.id, "content": "21 C"}]  # fmt: skip
         second = client.chat.completions.create(model=first.model, messages=messages, tools=tools)
         assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content
+        # A server-side tool round, run by the stack's tools worker.
+        script = {"rounds": [{"tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]}, {}]}
+        answer = client.chat.completions.create(
+            model=first.model, messages=[{"role": "user", "content": "6*7?"}],
+            extra_body={"server_tools": ["calculator"], "sim_script": script},
+        )  # fmt: skip
+        assert answer.model_extra["ampd_tool_rounds"][0]["calls"][0]["ok"] is True
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0

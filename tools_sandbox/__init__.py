@@ -1,0 +1,1 @@
+"""Server-side tools (python, retrieve, calculator) run in a sandbox by rq workers."""
