@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.engines import Engine, start_sim_worker, stop
 
@@ -30,3 +31,11 @@ def pd_pair(workdir) -> Iterator[tuple[Engine, Engine]]:
 def engine(pd_pair) -> Engine:
     """The engine the protocol tests talk to: the decode worker of the pair."""
     return pd_pair[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def clean_test_database():
+    """Everything the suite writes to Redis lives in its own database (13); empty it at the end,
+    rq's job and queue keys included."""
+    yield
+    redis.Redis.from_url("redis://127.0.0.1:6379/13").flushdb()
