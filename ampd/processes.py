@@ -1,4 +1,4 @@
-"""Child processes the CLI and the tests start (sim workers, gateways), and waiting for them."""
+"""Child processes the CLI and the tests start (sim workers, gateways, tools workers), and waiting for them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import redis
+from rq import Queue, Worker
+
+from tools_sandbox.client import queue_name
 
 
 @dataclass
@@ -45,6 +49,29 @@ def spawn_sim_worker(
 
 def spawn_gateway(name: str, port: int, options: Sequence[str] = (), log: Path | None = None) -> Child:
     return spawn(name, port, ["gateway", "--port", str(port), *options], log)
+
+
+def spawn_tools_worker(redis_url: str, prefix: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`ampd tools-worker` in its own process group, so stopping it takes its work horses too."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ampd.cli", "tools-worker", "--redis-url", redis_url, "--redis-prefix", prefix],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+
+
+def tools_worker_ready(redis_url: str, prefix: str, process: subprocess.Popen, timeout_s: float = 30.0) -> bool:
+    """A tools worker is up once rq lists it as a worker of its queue."""
+    connection = redis.Redis.from_url(redis_url)
+    queue = Queue(queue_name(prefix), connection=connection)
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        if Worker.count(queue=queue):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def wait_healthy(children: Sequence[Child], timeout_s: float = 60.0, path: str = "/health") -> Child | None:

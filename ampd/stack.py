@@ -10,34 +10,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import redis as redis_lib
 from rich.console import Console
 from rich.table import Table
-from rq import Queue, Worker
 
 from ampd.local_redis import NoRedis, ensure_redis
-from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
 from tools_sandbox.client import queue_name
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
 REDIS_PREFIX = "ampd"
-
-
-def _tools_worker_ready(redis_url: str, process: subprocess.Popen, timeout_s: float = 30.0) -> bool:
-    """The tools worker counts as up once rq lists it as a worker of its queue."""
-    connection = redis_lib.Redis.from_url(redis_url)
-    queue = Queue(queue_name(REDIS_PREFIX), connection=connection)
-    deadline = time.monotonic() + timeout_s
-    while process.poll() is None and time.monotonic() < deadline:
-        if Worker.count(queue=queue):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def _interrupt(*_: object) -> None:
@@ -70,16 +54,11 @@ def run_stack(
         )
         for role, port in (("prefill", prefill_port), ("decode", decode_port))
     ]
-    tools = subprocess.Popen(
-        [sys.executable, "-m", "ampd.cli", "tools-worker", *registry],
-        stdout=(STATE_DIR / "tools.log").open("ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    tools = spawn_tools_worker(redis.url, REDIS_PREFIX, STATE_DIR / "tools.log")
     children = list(workers)
     try:
         failed = wait_healthy(workers)
-        if failed is None and not _tools_worker_ready(redis.url, tools):
+        if failed is None and not tools_worker_ready(redis.url, REDIS_PREFIX, tools):
             console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
             return 1
         if failed is None:

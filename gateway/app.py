@@ -50,6 +50,8 @@ from tools_sandbox.registry import TOOLS, openai_tool
 
 log = logging.getLogger(__name__)
 REDIS_CONNECTIONS = 256
+# Load signals of candidate workers: queued prefill seconds, and windowed (series, worker) means.
+Signals = tuple[dict[str, float], dict[tuple[str, str], float]]
 
 
 @dataclass
@@ -202,9 +204,9 @@ class Gateway:
             arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,
             server_tools, session, self.slo_for(model), wants_usage,
         )  # fmt: skip
-        return exchange, self.plan(exchange, arrival, l_total, *signals)
+        return exchange, self.plan(exchange, arrival, l_total, signals)
 
-    async def _signals(self, worker_ids: set[str]) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    async def _signals(self, worker_ids: set[str]) -> Signals:
         """Queued prefill seconds and windowed TTFT/ITL of the given workers."""
         wanted = [(series, w) for w in worker_ids for series in ("itl", "ttft")]
         costs, means = await asyncio.gather(self.queues.queue_costs(worker_ids), self.stats.means(wanted))
@@ -225,8 +227,7 @@ class Gateway:
         ex: Exchange,
         created_at: float,
         l_total: int,
-        costs: dict[str, float],
-        means: dict[tuple[str, str], float],
+        signals: Signals,
     ) -> Round:
         """A prefill task for the session's next round, and where it runs."""
         session = ex.session
@@ -235,7 +236,7 @@ class Gateway:
             raise APIError(503, f"decode worker {session.decode_worker} left the pool", code="no_worker")
         l_hist = min(session.l_hist, l_total - 1)
         task = PrefillTask(uuid.uuid4().hex, session.session_id, l_hist, l_total, created_at)
-        return Round(task, self._route(task, session, decode, decode.info.model, ex.slo, costs, means), decode)
+        return Round(task, self._route(task, session, decode, decode.info.model, ex.slo, signals), decode)
 
     async def _find_session(
         self, scope: str, explicit: str | None, hashes: list[str]
@@ -274,9 +275,9 @@ class Gateway:
         decode: LiveWorker,
         model: str,
         slo: SLO,
-        costs: dict[str, float],
-        means: dict[tuple[str, str], float],
+        signals: Signals,
     ) -> Route:
+        costs, means = signals
         prefillers = (
             self.pool.prefillers(model, exclude=decode.info.worker_id) if self.policy.uses_prefill_workers else []
         )
@@ -368,7 +369,7 @@ class Gateway:
             self.client.tokenize(counter.info.url, model, ex.engine_messages, ex.engine_tools),
             self._signals(candidates),
         )
-        return self.plan(ex, created, l_total, *signals)
+        return self.plan(ex, created, l_total, signals)
 
     async def run_round(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
         """Queue, prefill and decode one round; yields what the client gets of it."""

@@ -104,7 +104,6 @@ class Dispatched:
     worker_id: str
     task_id: str
     queued_s: float  # time from enqueue to dispatch
-    postponements: int
 
 
 class PrefillQueues:
@@ -199,7 +198,7 @@ class PrefillQueues:
                 raise QueueFull(f"the prefill queue of {worker_id} is full ({self.max_queue})")
             if outcome == 2:  # straight to a free slot
                 self._running[task.task_id] = worker_id
-                return Dispatched(worker_id, task.task_id, 0.0, 0)
+                return Dispatched(worker_id, task.task_id, 0.0)
             await self.dispatch(worker_id)
             return await future
         except BaseException:
@@ -291,13 +290,11 @@ class PrefillQueues:
         if int(committed) < 0:
             return False
         self.postponements += len(decision.postponed)
-        done = Dispatched(worker_id, chosen, now - float(record["enqueued"]), int(record["postponed"]))
+        done = Dispatched(worker_id, chosen, now - float(record["enqueued"]))
         if record["owner"] == self.replica_id:
             self._hand_over(done)
         else:
-            await self.redis.publish(
-                self._channel(record["owner"]), f"{worker_id}|{chosen}|{done.queued_s}|{done.postponements}"
-            )
+            await self.redis.publish(self._channel(record["owner"]), f"{worker_id}|{chosen}|{done.queued_s}")
         return True
 
     def _hand_over(self, done: Dispatched) -> None:
@@ -331,8 +328,8 @@ class PrefillQueues:
         async for message in pubsub.listen():
             if message.get("type") != "message":
                 continue
-            worker_id, task_id, queued, postponed = message["data"].split("|")
-            self._hand_over(Dispatched(worker_id, task_id, float(queued), int(postponed)))
+            worker_id, task_id, queued = message["data"].split("|")
+            self._hand_over(Dispatched(worker_id, task_id, float(queued)))
 
     async def _sweep(self) -> None:
         """Dispatch every known queue now and then: slots freed by other replicas, or by

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
-from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
 
 
 @dataclass
@@ -81,18 +80,10 @@ def start_gateway(tmp: Path, redis_url: str, prefix: str, *options: str, timeout
 def start_tools_worker(tmp: Path, redis_url: str, prefix: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """An `ampd tools-worker` in its own process group (so a test can kill it, horses and all)."""
     log = tmp / f"tools-{prefix}-{time.monotonic_ns()}.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ampd.cli", "tools-worker", "--redis-url", redis_url, "--redis-prefix", prefix],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 30
-    while "retrieve corpus" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"tools worker did not start: {log.read_text()}")
-        time.sleep(0.1)
+    process = spawn_tools_worker(redis_url, prefix, log, env)
+    if not tools_worker_ready(redis_url, prefix, process):
+        kill_group(process)
+        raise RuntimeError(f"tools worker did not start: {log.read_text()}")
     return process
 
 
