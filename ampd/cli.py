@@ -10,16 +10,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ampd.planning import plan_command, simulate_command, trace_app
 from planner.catalog import GPUS, MODELS
 from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
 worker_app = typer.Typer(help="Run an inference worker.", no_args_is_help=True)
-profile_app = typer.Typer(help="Performance-model profiles.", no_args_is_help=True)
+profile_app = typer.Typer(help="Performance-model profiles.", invoke_without_command=True)
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(worker_app, name="worker")
 app.add_typer(profile_app, name="profile")
 app.add_typer(bench_app, name="bench")
+app.add_typer(trace_app, name="trace")
+app.command("simulate")(simulate_command)
+app.command("plan")(plan_command)
 console = Console()
 
 
@@ -156,12 +160,22 @@ def up(
     decode_port: int = 8102,
     profile: str = DEFAULT_PROFILE,
     speed: float = 1.0,
-    policy: str = "ampd",
+    policy: Annotated[str | None, typer.Option(help="default: the deployment's, else ampd")] = None,
+    deployment: Annotated[Path | None, typer.Option(help="worker pools from `ampd plan` (deployment.json)")] = None,
 ) -> None:
-    """Start the local stack: Redis, a prefill and a decode GPU-free worker, a tools worker, the gateway."""
+    """Start the local stack: Redis, GPU-free prefill and decode workers, a tools worker, the gateway."""
     from ampd.stack import run_stack
+    from planner.plan import load_deployment
 
-    raise typer.Exit(run_stack(console, redis_url, gateway_port, prefill_port, decode_port, profile, speed, policy))
+    workers = [("prefill", profile), ("decode", profile)]
+    if deployment is not None:
+        plan = load_deployment(deployment)
+        workers = [("prefill", plan.prefill.profile)] * plan.prefill.replicas
+        workers += [("decode", plan.decode.profile)] * plan.decode.replicas
+        policy = policy or plan.policy
+    raise typer.Exit(
+        run_stack(console, redis_url, gateway_port, prefill_port, decode_port, workers, speed, policy or "ampd")
+    )
 
 
 @app.command("tools-worker")
@@ -174,6 +188,42 @@ def tools_worker(
     from tools_sandbox.worker import run_workers
 
     raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
+
+
+@profile_app.callback()
+def profile_measure(
+    ctx: typer.Context,
+    worker: Annotated[
+        str | None, typer.Option(help="measure the engine at this URL (vLLM or `ampd worker sim`)")
+    ] = None,
+    prefill_worker: Annotated[str | None, typer.Option(help="a prefill engine, to time the KV hand-off")] = None,
+    model: Annotated[str, typer.Option(help=f"what the engine runs: one of {', '.join(MODELS)}")] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H100",
+    tp: int = 1,
+    speed: Annotated[float, typer.Option(help="a GPU-free worker's --speed; 1 on real hardware")] = 1.0,
+    clock: Annotated[str, typer.Option(help="engine: the engine's own TTFT clock; client: at the client")] = "engine",
+    out: Annotated[Path | None, typer.Option(help="profile file (default: <model>_<gpu>_tp<N>_measured.json)")] = None,
+) -> None:
+    """Measure a running engine over a grid and fit its profile (`ampd profile --worker URL`)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if worker is None:
+        console.print(ctx.get_help())
+        raise typer.Exit(0)
+    import asyncio
+
+    from planner.profiler import profile_worker, report_table
+
+    if model not in MODELS or gpu not in GPUS or clock not in ("engine", "client"):
+        raise typer.BadParameter(f"models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}; clocks: engine, client")
+    path = out or Path(f"{model}_{gpu.lower()}_tp{tp}_measured.json")
+    with console.status("measuring") as status:
+        _, report = asyncio.run(
+            profile_worker(worker, prefill_url=prefill_worker, model=MODELS[model], gpu=GPUS[gpu], tp=tp,
+                           speed=speed, out_path=path, clock=clock, progress=status.update)  # type: ignore[arg-type]
+        )  # fmt: skip
+    console.print(report_table(report))
+    console.print(f"wrote {path}")
 
 
 @profile_app.command("list")
@@ -272,6 +322,58 @@ def bench_gateway(
 
     level_list = [int(x) for x in levels.split(",")]
     raise typer.Exit(run_gateway_bench(console, speed, level_list, requests, output_tokens, out))
+
+
+@bench_app.command("fidelity")
+def bench_fidelity(
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    profile: str = "llama-3.1-70b_h20_tp4",
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
+    sessions: int = 120,
+    rate: Annotated[float, typer.Option(help="ToolBench sessions per modelled second")] = 0.5,
+    policy: str = "ampd",
+    seed: int = 0,
+    port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """The same trace run live (gateway + GPU-free workers) and in the simulator."""
+    from ampd.bench_fidelity import run_fidelity_bench
+
+    raise typer.Exit(run_fidelity_bench(console, redis_url, profile, speed, prefill_replicas, decode_replicas,
+                                        sessions, rate, policy, seed, port, out))  # fmt: skip
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    sessions: int = 10_000,
+    rate: Annotated[float, typer.Option(help="ToolBench sessions per second")] = 0.5,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Simulator speed: a ToolBench trace through 8 H20 (Llama-3.1-70B, P and D at TP4), on one core."""
+    import json
+
+    from planner.profile import load_profile
+    from planner.simulator import Pool, SimConfig, simulate
+    from planner.slo import derived_slo
+    from planner.trace import WORKLOADS, generate
+
+    trace = generate(WORKLOADS["toolbench"], sessions, rate, seed=1)
+    tp4 = load_profile("llama-3.1-70b_h20_tp4")
+    config = SimConfig(
+        decode=Pool(tp4, 1), prefill=Pool(tp4, 1), slo=derived_slo(load_profile("llama-3.1-70b_h20_tp2"))
+    )
+    with console.status(f"simulating {sessions:,} sessions"):
+        report = simulate(config, trace)
+    console.print(
+        f"{report.sessions:,} sessions, {report.rounds:,} rounds, {report.makespan_s:,.0f} s simulated in "
+        f"{report.wall_s:.1f} s wall ({report.rounds / report.wall_s:,.0f} rounds/s); "
+        f"SLO attainment {report.slo_attainment_rounds:.1%}"
+    )
+    if out is not None:
+        out.write_text(json.dumps({"sessions": sessions, "rate": rate, "report": report.model_dump()}, indent=2) + "\n")
+        console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

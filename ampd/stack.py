@@ -1,7 +1,8 @@
 """`ampd up`: the whole local stack as child processes, stopped together on Ctrl-C.
 
-Redis (found or started), one prefill and one decode GPU-free worker registered in
-it, an rq tools worker for server-side tools, and the gateway in front of them.
+Redis (found or started), GPU-free workers registered in it - one prefill and one
+decode, or the pools a deployment file from `ampd plan` names - an rq tools worker for
+server-side tools, and the gateway in front of them.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ def run_stack(
     gateway_port: int,
     prefill_port: int,
     decode_port: int,
-    profile: str,
+    workers: list[tuple[str, str]],
     speed: float,
     policy: str,
 ) -> int:
+    """``workers`` are (role, profile) pairs; the n-th worker of a role listens on its
+    role's port + 2n, so the default pair keeps 8101 and 8102."""
     STATE_DIR.mkdir(exist_ok=True)
     try:
         redis = ensure_redis(redis_url, STATE_DIR / "redis")
@@ -45,19 +48,24 @@ def run_stack(
         console.print(f"[red]{exc}[/red]")
         return 1
     registry = ["--redis-url", redis.url, "--redis-prefix", REDIS_PREFIX]
-    workers = [
+    base = {"prefill": prefill_port, "decode": decode_port}
+    placed = []
+    for role, profile in workers:
+        n = sum(1 for placed_role, *_ in placed if placed_role == role)
+        placed.append((role, profile, n, base[role] + 2 * n))
+    children_workers = [
         spawn_sim_worker(
-            f"{role} worker (GPU-free)",
+            f"{role} worker {n} (GPU-free, {profile})",
             port,
             ["--role", role, "--profile", profile, "--speed", str(speed), *registry],
-            log=STATE_DIR / f"{role}.log",
+            log=STATE_DIR / f"{role}-{n}.log",
         )
-        for role, port in (("prefill", prefill_port), ("decode", decode_port))
+        for role, profile, n, port in placed
     ]
     tools = spawn_tools_worker(redis.url, REDIS_PREFIX, STATE_DIR / "tools.log")
-    children = list(workers)
+    children = list(children_workers)
     try:
-        failed = wait_healthy(workers)
+        failed = wait_healthy(children_workers)
         if failed is None and not tools_worker_ready(redis.url, REDIS_PREFIX, tools):
             console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
             return 1
@@ -71,7 +79,10 @@ def run_stack(
         stack = {
             "redis": redis.url,
             "gateway": gateway.url,
-            "workers": [{"role": role, "url": w.url} for role, w in zip(("prefill", "decode"), workers, strict=True)],
+            "workers": [
+                {"role": role, "profile": profile, "url": w.url}
+                for (role, profile, _, _), w in zip(placed, children_workers, strict=True)
+            ],  # fmt: skip
         }
         (STATE_DIR / "stack.json").write_text(json.dumps(stack, indent=2))
         table = Table("service", "address")

@@ -495,7 +495,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         scope = gateway.authenticate(request.headers.get("authorization"))
         raw = await _read_json(request, config.max_body_bytes)
-        ex, first_round = await gateway.open(raw, dict(request.headers), scope)
+        try:
+            ex, first_round = await gateway.open(raw, dict(request.headers), scope)
+        except UpstreamError as exc:  # counting the prompt failed: no worker to blame the client for
+            raise _upstream_api_error(exc) from exc
         client = Reply(started=ex.arrival)
         events = gateway.converse(ex, first_round, client)
         route = first_round.route

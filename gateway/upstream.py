@@ -31,6 +31,9 @@ NIXL_PREFILL = {
 }
 
 
+KEEPALIVE_S = 4.0  # below uvicorn's default timeout_keep_alive of 5 s
+
+
 class UpstreamError(Exception):
     """A worker failed or answered with an error; ``status``/``body`` are its answer, if any."""
 
@@ -133,8 +136,10 @@ class EngineClient:
     @property
     def http(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily, inside the running event loop
+            # Idle connections are dropped before uvicorn's 5 s keep-alive (vLLM's API server
+            # and ours) closes them: a request on a connection the server is closing gets a reset.
             self._session = aiohttp.ClientSession(
-                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+                timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
             )
         return self._session
 
@@ -146,7 +151,7 @@ class EngineClient:
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:
             body["tools"] = tools
-        return int((await self._post(f"{url}/tokenize", body))["count"])
+        return int((await self._post(f"{url}/tokenize", body, attempts=2))["count"])  # idempotent: may retry
 
     async def prefill(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Prefill on a prefill worker; returns the kv_transfer_params for the decoder."""
@@ -220,15 +225,25 @@ class EngineClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
 
-    async def _post(self, url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+    async def _post(
+        self, url: str, body: dict[str, Any], request_id: str | None = None, attempts: int = 1
+    ) -> dict[str, Any]:
+        """POST and return the JSON answer. Idempotent calls pass ``attempts=2``: a pooled
+        connection the server closed at the same moment fails without the server having
+        seen the request, and a fresh connection fixes it."""
         headers = {"X-Request-Id": request_id} if request_id else None
-        try:
-            async with self.http.post(url, json=body, headers=headers) as r:
-                if r.status != 200:
-                    raise await _error_from(url, r)
-                return await r.json()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self.http.post(url, json=body, headers=headers) as r:
+                    if r.status != 200:
+                        raise await _error_from(url, r)
+                    return await r.json()
+            except aiohttp.ClientConnectionError as exc:
+                if attempt == attempts:
+                    raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")

@@ -121,6 +121,20 @@ GPUS: dict[str, GPUSpec] = {
                 "AMPD section 7.1 (200 GB/s InfiniBand per 8-GPU server)"
             ),
         ),
+        GPUSpec(
+            name="L40",
+            memory_bytes=48 * GiB,
+            hbm_bandwidth=864 * GB,
+            peak_flops={"bf16": 181e12, "fp16": 181e12, "fp8": 362e12},
+            intra_node_bandwidth=32 * GB,
+            network_bandwidth=25 * GB,
+            source=(
+                "NVIDIA L40 datasheet: 48 GB GDDR6 at 864 GB/s, 181 TFLOPS BF16 and 362 TFLOPS "
+                "FP8 dense; no NVLink, so tensor parallelism goes over PCIe Gen4 x16 (32 GB/s "
+                "each way); one 200 Gb/s NIC per GPU assumed. A heterogeneous-pool example "
+                "(seed 004); its profiles are derived on demand, not shipped"
+            ),
+        ),
     ]
 }
 

@@ -9,7 +9,9 @@ measurements and the roofline derives one from first principles; both go through
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
+from functools import cached_property
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -45,13 +47,32 @@ class PiecewiseLinear(BaseModel):
             raise ValueError("piece ends must increase")
         return self
 
+    @cached_property
+    def _table(self) -> tuple[tuple[float, ...], tuple[tuple[float, float], ...]]:
+        """Piece ends and (alpha, beta) as plain tuples: the simulator calls this millions of times."""
+        ends = tuple(p.upto for p in self.pieces[:-1])
+        return ends, tuple((p.alpha, p.beta) for p in self.pieces)
+
+    def __eq__(self, other: object) -> bool:  # the cached table is not part of the value
+        if not isinstance(other, PiecewiseLinear):
+            return NotImplemented
+        return (self.unit, self.pieces, self.max_rel_error) == (other.unit, other.pieces, other.max_rel_error)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking lists inside: not hashable
+
     def __call__(self, x: float) -> float:
         if x <= 0:
             return 0.0
-        for piece in self.pieces:
-            if piece.upto is None or x <= piece.upto:
-                return piece.alpha + piece.beta * x
-        raise AssertionError("unreachable: the last piece is unbounded")
+        ends, coefficients = self._table
+        alpha, beta = coefficients[bisect_left(ends, x)]
+        return alpha + beta * x
+
+    def many(self, xs: np.ndarray) -> np.ndarray:
+        """The function at every element of ``xs`` (vectorised ``__call__``)."""
+        ends, coefficients = self._table
+        alpha, beta = np.array(coefficients).T
+        index = np.searchsorted(np.array(ends, dtype=float), xs, side="left")
+        return np.where(xs > 0, alpha[index] + beta[index] * xs, 0.0)
 
 
 def fit_piecewise(xs: Sequence[float], ys: Sequence[float], knots: Sequence[float], unit: str) -> PiecewiseLinear:

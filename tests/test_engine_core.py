@@ -40,9 +40,9 @@ def run(scheduler: Scheduler, now: float = 0.0, max_steps: int = 10_000, check=N
 
 def assert_kv_consistent(scheduler: Scheduler, step: Step | None = None) -> None:
     kv = scheduler.kv
-    referenced = [b for b in kv.blocks if b.ref_cnt > 0]
+    referenced = [b for b, count in enumerate(kv.ref_cnt) if count > 0]
     assert len(referenced) + kv.num_free_blocks == kv.num_blocks
-    assert all(kv.blocks[b].ref_cnt == 0 for b in kv.free_queue)
+    assert all(kv.ref_cnt[b] == 0 for b in kv.free_queue)
     held = sum(len(h.block_ids) for h in scheduler.held.values())
     owned = sum(len(r.block_ids) for r in scheduler.running) + sum(len(r.block_ids) for r in scheduler.waiting)
     assert owned + held >= len(referenced)  # shared prefix blocks are owned by several requests

@@ -22,7 +22,7 @@ from planner.slo import SLO
 
 D_PROFILE = load_profile("llama-3.1-70b_h20_tp4")
 P_PROFILE = load_profile("llama-3.1-70b_h20_tp2")
-SLO_ = SLO(ttft_s=1.0, itl_s=0.05)
+SLO_ = SLO(ttft_s=5.0, itl_s=0.05)
 TASK = PrefillTask("t1", "s1", l_hist=3000, l_total=3400, created_at=100.0)
 
 
@@ -38,13 +38,23 @@ def prefill(worker_id: str, **kw) -> WorkerView:
 
 
 def test_alg1_takes_the_first_prefill_worker_with_ttft_slack_in_random_order():
-    prefills = [prefill("p1", windowed_ttft=0.5), prefill("p2", windowed_ttft=0.85), prefill("p3", windowed_ttft=2.0)]
+    prefills = [prefill("p1", windowed_ttft=2.5), prefill("p2", windowed_ttft=4.25), prefill("p3", windowed_ttft=10.0)]
     seen = {
         adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(seed)).worker_id for seed in range(40)
     }
-    assert seen == {"p1", "p2"}  # both have TTFT <= 0.9 s; p3 never qualifies
+    assert seen == {"p1", "p2"}  # both have TTFT <= 4.5 s and cost the same; p3 never qualifies
     chosen = adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(0))
-    assert chosen.kind == "remote" and chosen.reason == "ttft-slack" and chosen.estimate_s is None
+    assert chosen.kind == "remote" and chosen.reason == "ttft-slack"
+    assert chosen.estimate_s == pytest.approx(remote_cost(TASK, prefills[0], decode()))
+
+
+def test_alg1_prefers_the_slack_worker_that_holds_the_session_prefix():
+    """vLLM's protocol: any other prefill worker would recompute the 3,000-token history."""
+    prefills = [prefill("p1", windowed_ttft=2.5), prefill("p2", windowed_ttft=4.25, cached_tokens=3000)]
+    seen = {
+        adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(seed)).worker_id for seed in range(20)
+    }
+    assert seen == {"p2"}
 
 
 def test_alg1_workers_without_samples_count_as_idle():
@@ -52,14 +62,26 @@ def test_alg1_workers_without_samples_count_as_idle():
     assert (chosen.kind, chosen.reason) == ("remote", "ttft-slack")
 
 
+def test_alg1_slack_needs_the_task_itself_to_fit_not_only_the_window():
+    """A queue that built up since the window's rounds finished takes the slack away (no herding)."""
+    queued = [prefill("p1", windowed_ttft=1.0, queue_cost=4.0)]  # Eq. 2 = 3.7 s + 4 s of queue > 4.5 s
+    chosen = adaptive_route(TASK, decode(windowed_itl=0.01), queued, SLO_, 0.9, 0.85, random.Random(0))
+    assert (chosen.kind, chosen.reason) == ("local", "itl-slack")
+    # ... and a long local queue takes d's slack away: the cheaper of the two wins on cost.
+    busy = decode(windowed_itl=0.01, queue_cost=6.0)
+    chosen = adaptive_route(TASK, busy, queued, SLO_, 0.9, 0.85, random.Random(0))
+    assert (chosen.kind, chosen.worker_id, chosen.reason) == ("local", "d", "cost")
+    assert chosen.estimate_s == pytest.approx(local_cost(TASK, busy))
+
+
 def test_alg1_goes_local_when_only_the_decode_worker_has_slack():
-    prefills = [prefill("p1", windowed_ttft=0.95)]
+    prefills = [prefill("p1", windowed_ttft=4.75)]
     chosen = adaptive_route(TASK, decode(windowed_itl=0.0425), prefills, SLO_, 0.9, 0.85, random.Random(0))
     assert (chosen.kind, chosen.worker_id, chosen.reason) == ("local", "d", "itl-slack")
 
 
 def test_alg1_falls_back_to_the_cheapest_of_eq1_and_eq2():
-    prefills = [prefill("p1", windowed_ttft=3.0, queue_cost=0.2), prefill("p2", windowed_ttft=3.0, queue_cost=5.0)]
+    prefills = [prefill("p1", windowed_ttft=15.0, queue_cost=0.2), prefill("p2", windowed_ttft=15.0, queue_cost=5.0)]
     busy = decode(windowed_itl=0.2, queue_cost=0.0)
     chosen = adaptive_route(TASK, busy, prefills, SLO_, 0.9, 0.85, random.Random(0))
     costs = {

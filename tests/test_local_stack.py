@@ -75,6 +75,35 @@ def test_up_starts_redis_workers_and_the_gateway(tmp_path):
         redis.Redis.from_url(stack["redis"], socket_connect_timeout=1).ping()
 
 
+def test_up_runs_the_pools_a_deployment_file_names(tmp_path):
+    """`ampd plan` writes it; `ampd up --deployment` starts one GPU-free worker per replica."""
+    deployment = {
+        "model": "llama-3.1-8b", "policy": "disagg", "ttft_slo_s": 1.0, "itl_slo_s": 0.05,
+        "predicted_slo_attainment": 1.0, "predicted_p95_ttft_s": 0.1, "z": 0.5,
+        "prefill": {"gpu": "H100", "tp": 2, "replicas": 1, "profile": "llama-3.1-8b_h100_tp2"},
+        "decode": {"gpu": "H100", "tp": 1, "replicas": 2, "profile": "llama-3.1-8b_h100_tp1"},
+    }  # fmt: skip
+    (tmp_path / "deployment.json").write_text(json.dumps(deployment))
+    gateway, prefill, decode = free_port(), free_port(), free_port()
+    while decode + 2 in (gateway, prefill):  # the second decode replica listens on decode + 2
+        decode = free_port()
+    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+               "--prefill-port", str(prefill), "--decode-port", str(decode), "--speed", "50"]  # fmt: skip
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
+        workers = [(w["role"], w["profile"]) for w in stack["workers"]]
+        assert workers == [("prefill", "llama-3.1-8b_h100_tp2")] + [("decode", "llama-3.1-8b_h100_tp1")] * 2
+        assert stack["workers"][2]["url"].endswith(f":{decode + 2}")
+        ready = httpx.get(f"{stack['gateway']}/readyz", timeout=5).json()
+        assert len(ready["workers"]) == 3
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+
+
 def test_the_machines_redis_is_used_when_it_answers(tmp_path):
     found = ensure_redis(MACHINE_REDIS, tmp_path)
     assert found.url == MACHINE_REDIS and found.process is None

@@ -56,7 +56,14 @@ def test_shipped_profiles_are_the_roofline_as_it_stands():
     expected = {p.name: p for p in paper_profiles()}
     assert sorted(expected) == shipped_profiles()
     for name, profile in expected.items():
-        assert load_profile(name) == profile, f"{name} is stale"
+        shipped = load_profile(name)
+        # Least squares differs in the last bits between BLAS builds: compare the functions, not the floats.
+        assert shipped.model_dump(exclude={"pieces"}) == profile.model_dump(exclude={"pieces"}), f"{name} is stale"
+        for piece in ("forward", "prefill_attention", "context_read", "kv_transfer"):
+            mine, theirs = getattr(shipped.pieces, piece), getattr(profile.pieces, piece)
+            assert [q.upto for q in mine.pieces] == [q.upto for q in theirs.pieces], f"{name}.{piece} is stale"
+            for x in (1, 7, 100, 3000, 1e5, 1e8, 1e11):
+                assert mine(x) == pytest.approx(theirs(x), rel=1e-9), f"{name}.{piece} is stale at {x}"
         assert json.loads((PROFILES_DIR / f"{name}.json").read_text())["model"]["source"]
 
 

@@ -32,13 +32,6 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 
 
 @dataclass
-class Block:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: int | None = None
-
-
-@dataclass
 class PrefixCacheStats:
     """Counters behind vLLM's prefix_cache_queries_total / prefix_cache_hits_total (tokens)."""
 
@@ -51,7 +44,9 @@ class KVCache:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
-    blocks: list[Block] = field(init=False)
+    # Per block, indexed by block id: plain lists, as every hit, allocation and free walks them.
+    ref_cnt: list[int] = field(init=False)
+    block_hash: list[int | None] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)  # LRU: evict from the front
     cached: dict[int, int] = field(init=False)  # block hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
@@ -59,7 +54,8 @@ class KVCache:
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.ref_cnt = [0] * self.num_blocks
+        self.block_hash = [None] * self.num_blocks
         self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached = {}
 
@@ -81,13 +77,8 @@ class KVCache:
         if not self.enable_prefix_caching:
             return []
         limit = (num_tokens - 1) // self.block_size
-        hit: list[int] = []
-        for h in hashes[:limit]:
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
+        found = list(map(self.cached.get, hashes[:limit]))  # one C-level pass; cut at the first miss
+        return found[: found.index(None)] if None in found else found
 
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_tokens
@@ -95,30 +86,35 @@ class KVCache:
 
     def can_allocate(self, num_new_blocks: int, touched: Sequence[int] = ()) -> bool:
         """Enough free blocks for ``num_new_blocks`` after pinning the ``touched`` hits."""
-        pinned_from_free = sum(1 for b in touched if self.blocks[b].ref_cnt == 0)
-        return self.num_free_blocks - pinned_from_free >= num_new_blocks
+        free = len(self.free_queue)
+        if free - len(touched) >= num_new_blocks:  # enough even if every hit comes out of the free queue
+            return True
+        ref_cnt = self.ref_cnt
+        pinned_from_free = sum(1 for b in touched if ref_cnt[b] == 0)
+        return free - pinned_from_free >= num_new_blocks
 
     # -- mutations ---------------------------------------------------------------
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take references on cache hits, pulling them out of the free queue."""
+        ref_cnt, free_queue = self.ref_cnt, self.free_queue
         for b in block_ids:
-            block = self.blocks[b]
-            if block.ref_cnt == 0:
-                del self.free_queue[b]
-            block.ref_cnt += 1
+            if ref_cnt[b] == 0:
+                del free_queue[b]
+            ref_cnt[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise RuntimeError(f"KV cache over-committed: want {n}, {self.num_free_blocks} free")
         out: list[int] = []
+        ref_cnt, block_hash, free_queue, cached = self.ref_cnt, self.block_hash, self.free_queue, self.cached
         for _ in range(n):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:  # evict the stale cache entry
-                if self.cached.get(block.block_hash) == block_id:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-            block.ref_cnt = 1
+            block_id, _ = free_queue.popitem(last=False)
+            h = block_hash[block_id]
+            if h is not None:  # evict the stale cache entry
+                if cached.get(h) == block_id:
+                    del cached[h]
+                block_hash[block_id] = None
+            ref_cnt[block_id] = 1
             out.append(block_id)
         return out
 
@@ -126,18 +122,19 @@ class KVCache:
         """Publish full blocks under their hashes (first writer wins on duplicates)."""
         if not self.enable_prefix_caching:
             return
+        block_hash, cached = self.block_hash, self.cached
         for block_id, h in zip(block_ids, hashes, strict=True):
-            block = self.blocks[block_id]
-            if block.block_hash is None:
-                block.block_hash = h
-                self.cached.setdefault(h, block_id)
+            if block_hash[block_id] is None:
+                block_hash[block_id] = h
+                cached.setdefault(h, block_id)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, tail first so a prefix outlives its suffix."""
+        ref_cnt, free_queue = self.ref_cnt, self.free_queue
         for b in reversed(block_ids):
-            block = self.blocks[b]
-            if block.ref_cnt <= 0:
+            count = ref_cnt[b] - 1
+            if count < 0:
                 raise RuntimeError(f"double free of block {b}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[b] = None
+            ref_cnt[b] = count
+            if count == 0:
+                free_queue[b] = None

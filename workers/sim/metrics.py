@@ -91,6 +91,14 @@ class _SchedulerState(Collector):
             metric = family(name, doc, labels=list(LABELS))
             metric.add_metric(self.labels, value)
             yield metric
+        # vLLM exports its CacheConfig as labels of a constant gauge; profilers read the KV capacity here.
+        config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.num_blocks,
+                  "enable_prefix_caching": s.kv.enable_prefix_caching}  # fmt: skip
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config)
+        )
+        info.add_metric([str(v) for v in config.values()], 1.0)
+        yield info
 
 
 class EngineMetrics:

@@ -89,15 +89,20 @@ class Request:
         """Has output and only its last sampled token left to compute."""
         return bool(self.output_token_ids) and self.num_tokens - self.num_computed_tokens == 1
 
+    @property
+    def remaining_output_tokens(self) -> int:
+        return min(self.max_tokens, len(self.output_plan)) - self.num_output_tokens
+
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.token_ids, block_size)
 
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.token_ids.append(token_id)
-
-    def next_planned_token(self) -> int:
-        return self.output_plan[self.num_output_tokens]
+    def append_planned(self, n: int) -> list[int]:
+        """Sample the next ``n`` tokens of the plan (the caller checks there are that many)."""
+        start = len(self.output_token_ids)
+        tokens = self.output_plan[start : start + n]
+        self.output_token_ids += tokens
+        self.token_ids += tokens
+        return tokens
 
     def stop_status(self) -> RequestStatus | None:
         """The finished status after the latest token, or None to keep going."""

@@ -16,6 +16,14 @@ The caller drives it::
     ... wait step.duration (real or virtual) ...
     outputs = scheduler.finish_step(step, now)
 
+A caller in virtual time (planner.simulator) may ask for up to ``max_decode_steps``
+steps at once. They are fused only when nothing else could change them - every
+request decoding, nothing admissible waiting - and no request can finish before the
+last one, so the fused step equals that many single steps (vLLM's multi-step
+scheduling did the same, with look-ahead KV slots). If work arrives meanwhile, the
+caller cuts the step at the sub-step boundary where a real engine would next have
+scheduled (:meth:`cut`); :meth:`kv_usage` reads the usage mid-step without cutting.
+
 Disaggregated prefill follows vLLM's NixlConnector: a ``do_remote_decode`` request
 keeps its blocks after finishing until the decoder has read them
 (:meth:`release_transfer`) or the hold expires; a request with ``remote_prefill``
@@ -26,6 +34,7 @@ after :meth:`finish_kv_load` recomputes only its last prompt token.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,10 +74,21 @@ class Step:
     preempted: list[Request] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
     duration: float = 0.0
+    boundaries: list[float] = field(default_factory=list)  # fused steps: end of each, from the start
+
+    @property
+    def num_steps(self) -> int:
+        return max(1, len(self.boundaries))
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefills) + len(self.decodes)
+        return sum(n for _, n in self.prefills) + len(self.decodes) * self.num_steps
+
+    def truncate(self, elapsed: float) -> None:
+        """Keep the fused sub-steps up to the first one ending at or after ``elapsed``."""
+        keep = next((i + 1 for i, end in enumerate(self.boundaries) if end >= elapsed), self.num_steps)
+        del self.boundaries[keep:]
+        self.duration = self.boundaries[-1] if self.boundaries else self.duration
 
     @property
     def empty(self) -> bool:
@@ -129,7 +149,7 @@ class Scheduler:
         return bool(self.running) or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
 
     # -- one step ----------------------------------------------------------------
-    def schedule(self, now: float) -> Step:
+    def schedule(self, now: float, max_decode_steps: int = 1) -> Step:
         self._expire_holds(now)
         step = Step()
         budget = self.config.max_num_batched_tokens
@@ -185,27 +205,83 @@ class Scheduler:
             prefills=[(r.num_computed_tokens, n) for r, n in step.prefills],
             decode_contexts=[r.num_computed_tokens for r in step.decodes],
         )
+        if max_decode_steps > 1 and self._fusable(step):
+            self._fuse(step, max_decode_steps)
         return step
+
+    def _fusable(self, step: Step) -> bool:
+        return (
+            bool(step.decodes)
+            and not step.prefills
+            and not step.preempted
+            and len(step.decodes) == len(self.running)
+            and all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+        )
+
+    def _fuse(self, step: Step, max_steps: int) -> None:
+        """Extend a decode-only step to k sub-steps, KV permitting (see the module docstring).
+
+        The blocks of later sub-steps are taken only when the step is cut or finished
+        (:meth:`cut`): taking them now would evict cached prefixes and raise the KV
+        usage a scrape sees earlier than k single steps would.
+        """
+        k = min(max_steps, min(r.remaining_output_tokens for r in step.decodes))
+        if k < 2 or not self.kv.can_allocate(self._fused_blocks(step, k)):
+            return
+        context = sum(r.num_computed_tokens for r in step.decodes)
+        step.boundaries = self.profile.decode_steps(len(step.decodes), context, k)
+        step.duration = step.boundaries[-1]
+
+    def _fused_blocks(self, step: Step, k: int) -> int:
+        """Blocks the decodes of ``step`` still need to run ``k`` sub-steps."""
+        return sum(max(0, self.kv.blocks_for(r.num_computed_tokens + k) - len(r.block_ids)) for r in step.decodes)
+
+    def kv_usage(self, step: Step | None = None, elapsed: float = 0.0) -> float:
+        """KV usage as a scrape sees it; ``elapsed`` seconds into a fused ``step``, as if the
+        sub-steps begun by then had taken their blocks (what :meth:`cut` would settle)."""
+        used = self.kv.num_blocks - self.kv.num_free_blocks
+        if step is not None and step.num_steps > 1:
+            begun = min(bisect_left(step.boundaries, elapsed) + 1, step.num_steps)
+            used += self._fused_blocks(step, begun)
+        return used / self.kv.num_blocks
+
+    def cut(self, step: Step, elapsed: float) -> None:
+        """Settle a fused step ``elapsed`` seconds after it started: keep the sub-steps a
+        real engine would have begun by then, and take their blocks as it would have."""
+        step.truncate(elapsed)
+        for request in step.decodes:
+            needed = self.kv.blocks_for(request.num_computed_tokens + step.num_steps) - len(request.block_ids)
+            if needed > 0:  # _fuse checked the cache could give this many; nothing allocates meanwhile
+                request.block_ids += self.kv.allocate(needed)
 
     def finish_step(self, step: Step, now: float) -> list[RequestOutput]:
         """Apply a step's results: advance progress, sample planned tokens, finish."""
+        if step.num_steps > 1:
+            self.cut(step, step.duration)
         outputs: list[RequestOutput] = []
-        done = [(r, n) for r, n in step.prefills] + [(r, 1) for r in step.decodes]
-        for request, n in done:
+        for request, n in step.prefills:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += n
             self._cache_computed_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of a longer prefill: nothing sampled yet
-            token = request.next_planned_token()
-            request.append_output(token)
-            status = request.stop_status()
-            if status is None:
-                outputs.append(RequestOutput(request, [token], finished=False))
+            self._sampled(request, request.append_planned(1), now, outputs)
+        for request in step.decodes:  # each computes its last token, then samples, num_steps times
+            if request.status != RequestStatus.RUNNING:
                 continue
-            outputs.append(self._finish(request, status, token, now))
+            request.num_computed_tokens += step.num_steps
+            tokens = request.append_planned(step.num_steps)  # a fused step never ends a request early
+            self._cache_computed_blocks(request)
+            self._sampled(request, tokens, now, outputs)
         return outputs
+
+    def _sampled(self, request: Request, tokens: list[int], now: float, outputs: list[RequestOutput]) -> None:
+        status = request.stop_status()
+        if status is None:
+            outputs.append(RequestOutput(request, tokens, finished=False))
+        else:
+            outputs.append(self._finish(request, status, tokens, now))
 
     # -- disaggregation ----------------------------------------------------------
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
@@ -331,7 +407,7 @@ class Scheduler:
         self.kv.cache_full_blocks(request.block_ids[start:full], request.block_hashes[start:full])
         request.num_cached_blocks = full
 
-    def _finish(self, request: Request, status: RequestStatus, token: int, now: float) -> RequestOutput:
+    def _finish(self, request: Request, status: RequestStatus, tokens: list[int], now: float) -> RequestOutput:
         request.status = status
         self.running.remove(request)
         self.requests.pop(request.request_id, None)
@@ -341,9 +417,9 @@ class Scheduler:
             )
             held = tuple(request.block_ids)
             request.block_ids = []
-            return RequestOutput(request, [token], finished=True, held_block_ids=held)
+            return RequestOutput(request, tokens, finished=True, held_block_ids=held)
         self._free(request)
-        return RequestOutput(request, [token], finished=True)
+        return RequestOutput(request, tokens, finished=True)
 
     def _free(self, request: Request) -> None:
         if request.block_ids:

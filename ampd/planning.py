@@ -1,0 +1,244 @@
+"""`ampd trace`, `ampd simulate` and `ampd plan`: the offline side of the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from planner.catalog import GPUS, MODELS
+from planner.slo import DEFAULT_SCALE, SLO
+
+trace_app = typer.Typer(help="Multi-round workload traces (JSONL).", no_args_is_help=True)
+console = Console()
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]{message}[/red]")
+    return typer.Exit(2)
+
+
+@trace_app.command("generate")
+def trace_generate(
+    out: Annotated[Path, typer.Option(help="JSONL file to write")],
+    workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
+    sessions: Annotated[int, typer.Option(min=1)] = 1000,
+    rate: Annotated[float, typer.Option(help="sessions per second (Poisson)")] = 1.0,
+    seed: int = 0,
+) -> None:
+    """A trace shaped like one of the paper's four workloads (Table 1 means)."""
+    from planner.trace import WORKLOADS, generate, summarize, write_trace
+
+    if workload not in WORKLOADS:
+        raise _fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    trace = generate(WORKLOADS[workload], sessions, rate, seed)
+    write_trace(trace, out)
+    shape, target = summarize(trace), WORKLOADS[workload]
+    table = Table("", "this trace", "paper (Table 1)")
+    table.add_row("sessions", str(shape["sessions"]), "")
+    table.add_row("rounds / session", f"{shape['mean_rounds']:.2f}", f"{target.mean_rounds}")
+    table.add_row("prompt tokens added / round", f"{shape['mean_input_tokens']:.1f}", f"{target.mean_input_tokens}")
+    table.add_row("output tokens / round", f"{shape['mean_output_tokens']:.1f}", f"{target.mean_output_tokens}")
+    table.add_row("arrival rate (/s)", f"{shape['arrival_rate']:.3f}", f"{rate}")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
+def _load(trace: Path):
+    from planner.trace import load_trace
+
+    try:
+        return load_trace(trace)
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _book(model: str, profiles: list[Path] | None):
+    from planner.plan import ProfileBook
+    from planner.profile import load_profile
+
+    try:
+        return ProfileBook(model, [load_profile(p) for p in profiles or []])
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _slo(book, gpu: str, scale: float, ttft: float | None, itl: float | None) -> SLO:
+    derived = book.reference_slo(gpu, scale)
+    return SLO(ttft or derived.ttft_s, itl or derived.itl_s)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.0f} ms"
+
+
+def report_table(reports) -> Table:
+    """Simulation reports side by side, one column each."""
+    table = Table("", *[f"P {r.prefill}\nD {r.decode}\n{r.policy}" for r in reports])
+    rows = [
+        ("TTFT initial mean / P95", lambda r: f"{_ms(r.ttft_initial.mean_s)} / {_ms(r.ttft_initial.p95_s)}"),
+        (
+            "TTFT incremental mean / P95",
+            lambda r: f"{_ms(r.ttft_incremental.mean_s)} / {_ms(r.ttft_incremental.p95_s)}",
+        ),
+        ("ITL (per round) mean / P95", lambda r: f"{_ms(r.itl.mean_s)} / {_ms(r.itl.p95_s)}"),
+        ("SLO attainment, rounds", lambda r: f"{r.slo_attainment_rounds:.1%}"),
+        ("SLO attainment, sessions", lambda r: f"{r.slo_attainment_sessions:.1%}"),
+        ("incremental prefills local", lambda r: f"{r.local_share_incremental:.1%}"),
+        ("utilisation", lambda r: ", ".join(f"{w.worker_id} {w.utilisation:.0%}" for w in r.workers)),
+        ("sessions / rounds", lambda r: f"{r.sessions:,} / {r.rounds:,}"),
+        ("simulated / wall", lambda r: f"{r.makespan_s:,.0f} s / {r.wall_s:.1f} s"),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *[cell(r) for r in reports])
+    return table
+
+
+def simulate_command(
+    trace: Annotated[Path, typer.Option(help="JSONL trace (`ampd trace generate`)")],
+    model: Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")] = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    prefill: Annotated[str | None, typer.Option(help="prefill pool TPxDP, e.g. 4x1; none for colocated")] = "4x1",
+    decode: Annotated[str, typer.Option(help="decode pool TPxDP")] = "4x1",
+    policy: Annotated[str, typer.Option(help="ampd, disagg, coloc, continuum, ampd-routing-only, ...")] = "ampd",
+    profile: Annotated[
+        list[Path] | None, typer.Option(help="measured profile files to use instead of derived ones")
+    ] = None,
+    slo_scale: float = DEFAULT_SCALE,
+    ttft_slo_s: float | None = None,
+    itl_slo_s: float | None = None,
+    seed: int = 0,
+    out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
+) -> None:
+    """Discrete-event simulation of a deployment on the gateway's and the engine's own cores."""
+    from gateway.policies import POLICIES
+    from planner.plan import parse_pool
+    from planner.simulator import Pool, SimConfig, simulate
+
+    if policy not in POLICIES:
+        raise _fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+    if gpu not in GPUS:
+        raise _fail(f"unknown GPU type {gpu!r}; one of {', '.join(GPUS)}")
+    sessions, book = _load(trace), _book(model, profile)
+    try:
+        pools = {}
+        for phase, spec in (("prefill", prefill), ("decode", decode)):
+            if spec and spec.lower() != "none":
+                tp, dp = parse_pool(spec)
+                pools[phase] = Pool(book.get(gpu, tp), dp)
+        slo = _slo(book, gpu, slo_scale, ttft_slo_s, itl_slo_s)
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    config = SimConfig(decode=pools["decode"], prefill=pools.get("prefill"), slo=slo, policy=policy, seed=seed)
+    with console.status(f"simulating {len(sessions):,} sessions"):
+        report = simulate(config, sessions)
+    console.print(report_table([report]))
+    console.print(f"SLO: TTFT {_ms(slo.ttft_s)}, ITL {_ms(slo.itl_s)}")
+    if out is not None:
+        out.write_text(report.model_dump_json(indent=2) + "\n")
+        console.print(f"wrote {out}")
+
+
+def _config(d) -> str:
+    return f"P <TP={d.prefill.tp}, DP={d.prefill.replicas}> {d.prefill.gpu}, D <TP={d.decode.tp}, DP={d.decode.replicas}> {d.decode.gpu}"  # noqa: E501
+
+
+def plan_command(
+    trace: Annotated[Path, typer.Option(help="JSONL trace the deployment must serve")],
+    gpus: Annotated[str, typer.Option(help="GPUs: a count of --gpu-type, or TYPE=N,TYPE=N")] = "8",
+    gpu_type: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    model: Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")] = "llama-3.1-70b",
+    policy: Annotated[str, typer.Option(help="the policy the deployment will run")] = "ampd",
+    profile: Annotated[
+        list[Path] | None, typer.Option(help="measured profile files to use instead of derived ones")
+    ] = None,
+    slo_scale: float = DEFAULT_SCALE,
+    ttft_slo_s: float | None = None,
+    itl_slo_s: float | None = None,
+    top: int = 3,
+    candidates: Annotated[int, typer.Option(help="Eq. 5's best N, each simulated whole")] = 5,
+    validate: Annotated[bool, typer.Option(help="also simulate every feasible configuration and compare")] = False,
+    out: Annotated[Path, typer.Option(help="deployment file to write (and its .env twin)")] = Path("deployment.json"),
+    report: Annotated[Path | None, typer.Option(help="write the ranking and taus as JSON here")] = None,
+) -> None:
+    """Pick TP and DP for each phase: simulated taus, then Eq. 5 solved with SCIP."""
+    from planner import plan as planning
+    from planner.profile import shipped_profiles
+
+    try:
+        capacity = planning.parse_gpus(gpus, gpu_type)
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    sessions, book = _load(trace), _book(model, profile)
+    slo = _slo(book, next(iter(capacity)), slo_scale, ttft_slo_s, itl_slo_s)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("planning")
+
+        def progress(text: str) -> None:
+            bar.update(task, description=text)
+
+        try:
+            result = planning.plan(book, sessions, capacity, slo, policy, top, candidates, progress)
+            checked = (
+                planning.exhaustive(book, sessions, result.options, capacity, slo, policy, progress) if validate else []
+            )
+        except ValueError as exc:
+            raise _fail(str(exc)) from exc
+    table = Table("rank", "configuration", "Eq. 5 rank", "Z", "tau_pre", "tau_dec", "P95 TTFT", "SLO attainment")
+    for i, r in enumerate(result.ranked, 1):
+        d = r.deployment
+        table.add_row(
+            f"#{i}", _config(d), f"#{r.eq5_rank}", f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
+            _ms(r.predicted.ttft.p95_s), f"{r.predicted.slo_attainment_rounds:.1%}",
+        )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"SLO: TTFT {_ms(slo.ttft_s)}, ITL {_ms(slo.itl_s)}; {len(result.options)} tau coefficients from "
+        f"{len(result.samples)} simulations; SCIP solved top {len(result.ranked)} in {result.solve_s:.2f} s"
+    )
+    if checked:
+        side = Table("rank", "planner (Eq. 5)", "simulated whole (by SLO attainment)", "attainment")
+        for i in range(max(len(result.ranked), 3)):
+            mine = _config(result.ranked[i].deployment) if i < len(result.ranked) else "-"
+            theirs = checked[i] if i < len(checked) else None
+            side.add_row(f"#{i + 1}", mine, _config(theirs.deployment) if theirs else "-",
+                         f"{theirs.predicted.slo_attainment_rounds:.1%}" if theirs else "-")  # fmt: skip
+        console.print(side)
+        same = result.ranked[0].deployment == checked[0].deployment
+        console.print(("[green]" if same else "[yellow]") + f"planner's #1 {'equals' if same else 'differs from'} "
+                      f"the best of {len(checked)} simulated configurations")  # fmt: skip
+    best = result.ranked[0]
+    deployment = planning.deployment_file(book, best, policy, slo)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for phase in ("prefill", "decode"):  # profiles derived on the fly go beside the deployment
+        chosen = getattr(deployment, phase)
+        if chosen.profile not in shipped_profiles():
+            path = out.parent / f"{chosen.profile}.json"
+            book.get(chosen.gpu, chosen.tp).dump(path)
+            deployment = deployment.model_copy(update={phase: chosen.model_copy(update={"profile": str(path)})})
+    env = deployment.write(out)
+    console.print(f"wrote {out} and {env}")
+    if report is not None:
+        report.write_text(json.dumps(_plan_json(result, checked), indent=2) + "\n")
+        console.print(f"wrote {report}")
+
+
+def _plan_json(result, checked) -> dict:
+    def entry(r) -> dict:
+        d = r.deployment
+        return {"configuration": _config(d), "eq5_rank": r.eq5_rank, "z": d.z, "tau_prefill": d.prefill.tau,
+                "tau_decode": d.decode.tau, "predicted": r.predicted.model_dump()}  # fmt: skip
+
+    return {
+        "slo": {"ttft_s": result.slo.ttft_s, "itl_s": result.slo.itl_s},
+        "planner": [entry(r) for r in result.ranked],
+        "exhaustive": [entry(r) for r in checked],
+        "taus": [o.__dict__ for o in result.options],
+        "solve_s": result.solve_s,
+    }

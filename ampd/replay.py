@@ -1,0 +1,138 @@
+"""Replay a trace against a live gateway as agent sessions would.
+
+Each session starts at its arrival time (divided by the workers' speed-up), sends a
+round, reads the streamed reply, waits its tool latency, answers the tool call with a
+tool message of the trace's size, and sends the next round - the loop an agent
+framework runs. The GPU-free engine's ``sim_script`` makes each round's output length
+and tool call exactly the trace's, and its word-level tokenizer makes an n-word text n
+tokens, so the live run and planner.simulator see the same work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from planner.trace import TraceSession
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look something up.",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
+
+
+@dataclass(frozen=True)
+class LiveRound:
+    session_id: str
+    round: int
+    ttft_s: float  # wall clock, from sending the request to the first token
+    mean_itl_s: float | None
+    tokens: int  # completion tokens (EOS included)
+
+
+def words(session: int, round_index: int, n: int) -> str:
+    """``n`` tokens of text unique to the session (one word = one token for the sim tokenizer)."""
+    return " ".join(f"s{session}r{round_index}w{i}" for i in range(n))
+
+
+def _script(session: TraceSession) -> dict:
+    return {
+        "rounds": [
+            {"output_tokens": r.output_tokens, "tool_calls": [{"name": "lookup", "arguments": {"q": "x"}}]}
+            if r.tool_calls
+            else {"output_tokens": r.output_tokens}
+            for r in session.rounds
+        ]
+    }
+
+
+@dataclass(frozen=True)
+class _Streamed:
+    message: dict  # the assistant turn, as the conversation continues with it
+    sent: float
+    first_token: float | None  # first content or tool-call delta
+    finished: float | None  # the chunk carrying finish_reason: the last token's arrival
+    completion_tokens: int  # the engine's count (usage), EOS included
+
+
+async def _round(client: httpx.AsyncClient, url: str, body: dict, session_id: str) -> _Streamed:
+    content, calls, stamps, finished, tokens = "", {}, [], None, 0
+    sent = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"X-Session-Id": session_id}) as response:  # fmt: skip
+        if response.status_code != 200:
+            raise RuntimeError(f"round of {session_id}: {response.status_code} {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"round of {session_id}: {chunk['error']}")
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            for choice in chunk.get("choices") or []:
+                if choice.get("finish_reason"):
+                    finished = time.perf_counter()
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    content += delta["content"]
+                    stamps.append(time.perf_counter())
+                for call in delta.get("tool_calls") or []:
+                    entry = calls.setdefault(call["index"], {"id": "", "type": "function",
+                                                             "function": {"name": "", "arguments": ""}})  # fmt: skip
+                    entry["id"] = call.get("id") or entry["id"]
+                    function = call.get("function") or {}
+                    entry["function"]["name"] += function.get("name") or ""
+                    entry["function"]["arguments"] += function.get("arguments") or ""
+                    stamps.append(time.perf_counter())
+    message: dict = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return _Streamed(message, sent, stamps[0] if stamps else None, finished, tokens)
+
+
+async def _session(
+    client: httpx.AsyncClient, url: str, index: int, session: TraceSession, speed: float, start: float
+) -> list[LiveRound]:
+    await asyncio.sleep(max(0.0, start + session.arrival_s / speed - time.perf_counter()))
+    messages: list[dict] = [{"role": "user", "content": words(index, 0, session.rounds[0].input_tokens)}]
+    script, out = _script(session), []
+    for k, spec in enumerate(session.rounds):
+        body = {"messages": messages, "tools": [TOOL], "stream": True, "sim_script": script,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        got = await _round(client, url, body, session.session_id)
+        if got.first_token is None or got.finished is None:
+            raise RuntimeError(f"round {k} of {session.session_id} streamed no tokens")
+        # Per token, as the gateway and the simulator count it: the engine's tokens, not the
+        # SSE chunks (a tool call's tokens may arrive as fewer deltas).
+        gaps = got.completion_tokens - 1
+        itl = (got.finished - got.first_token) / gaps if gaps > 0 else None
+        out.append(LiveRound(session.session_id, k, got.first_token - got.sent, itl, got.completion_tokens))
+        message = got.message
+        messages = [*messages, message]
+        if k + 1 == len(session.rounds):
+            break
+        await asyncio.sleep(spec.tool_latency_s / speed)
+        result = words(index, k + 1, session.rounds[k + 1].input_tokens)
+        for call in message.get("tool_calls") or [{"id": "none"}]:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return out
+
+
+async def replay(url: str, sessions: Sequence[TraceSession], speed: float) -> list[LiveRound]:
+    """Every session of the trace against the gateway at ``url``; rounds in completion order."""
+    limits = httpx.Limits(max_connections=len(sessions) + 8, max_keepalive_connections=len(sessions) + 8)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        start = time.perf_counter() + 0.5
+        first = min(s.arrival_s for s in sessions)
+        shifted = [s.model_copy(update={"arrival_s": s.arrival_s - first}) for s in sessions]
+        results = await asyncio.gather(*(_session(client, url, i, s, speed, start) for i, s in enumerate(shifted)))
+    return [r for rounds in results for r in rounds]

@@ -1,0 +1,577 @@
+"""Discrete-event simulation of the whole system in virtual time (AMPD Appendix A.1).
+
+shared/seeds/003_517589c8db448ff1.txt, Appendix A.1: the planner's simulator runs a
+deployment - prefill and decode pools of given TP and DP - over a trace, with phase
+splitting, KV transfer on the alpha-beta model and the runtime routing decision. Here
+it is the live system's own code with the clock and the network taken out:
+
+* every worker is a ``workers.sim.scheduler.Scheduler`` (the GPU-free engine's core:
+  continuous batching, chunked prefill, paged KV with prefix caching, preemption,
+  NixlConnector-style holds and pulls), stepped in virtual time with fused decode steps;
+* every round goes through the gateway's pure core: ``gateway.binding`` for new
+  sessions, ``gateway.policies.route`` (Alg. 1) fed with windowed TTFT/ITL means and
+  queued prefill seconds, and ``gateway.policies.pick`` (Alg. 2) at every dispatch
+  from a worker's prefill queue with its slots - the decisions gateway.queues commits
+  to Redis, here kept in memory;
+* the hand-off is vLLM's: the prefill worker computes the whole prompt (less its own
+  prefix-cache hits) and holds the blocks, the decode worker pulls the blocks it lacks
+  (T_kv), recomputes the last prompt token and decodes; local rounds prefill the
+  increment on the decode worker.
+
+Differences from the live system, all deliberate: no network or gateway CPU time, KV
+usage for binding is scraped every second as the gateway's pool does but without its
+HTTP delay, and token ids are synthetic (unique per session, so prefix caching hits
+exactly what the session's history is).
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from pydantic import BaseModel
+
+from gateway.binding import DecodeCandidate, choose_decode_worker
+from gateway.policies import POLICIES, Policy, pick, route
+from gateway.reordering import QueuedTask
+from gateway.routing import PrefillTask, Route, WorkerView
+from planner.profile import Profile, t_kv
+from planner.slo import SLO
+from planner.trace import TraceSession
+from workers.sim.request import RemotePrefill, Request
+from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
+
+SCRAPE_INTERVAL_S = 1.0  # the gateway's pool refresh (GatewayConfig.scrape_interval_s)
+_FILLER = list(range(256)) * 512  # token ids to slice from (see Simulation._fresh_tokens)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """``replicas`` workers of one profile (its TP degree is the profile's)."""
+
+    profile: Profile
+    replicas: int
+
+    @property
+    def gpus(self) -> int:
+        return self.profile.tp * self.replicas
+
+    def label(self) -> str:
+        return f"TP={self.profile.tp}, DP={self.replicas} on {self.profile.gpu.name}"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    decode: Pool
+    prefill: Pool | None
+    slo: SLO
+    policy: str = "ampd"
+    alpha: float = 0.9
+    beta: float = 0.85
+    window: int = 3
+    stats_window_s: int = 10
+    prefill_slots: int = 1
+    seed: int = 0
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_decode_steps: int = 64  # fused decode steps per event; results do not depend on it
+
+
+# -- the pieces of the live system that hold state, kept in memory -----------------------
+@dataclass
+class PrefillQueue:
+    """One worker's prefill queue and slots (gateway.queues without Redis)."""
+
+    tasks: list[QueuedTask] = field(default_factory=list)
+    inflight: int = 0
+    cost: float = 0.0  # Eq. 1-2's queue term: estimated seconds queued
+
+
+class WindowedMeans:
+    """gateway.stats in memory: one-second buckets, mean over the last ``window_s``."""
+
+    def __init__(self, window_s: int) -> None:
+        self.window_s = window_s
+        self.buckets: dict[tuple[str, str], dict[int, list[float]]] = {}
+
+    def record(self, series: str, worker_id: str, total: float, count: int, now: float) -> None:
+        if count <= 0:
+            return
+        second = math.floor(now)
+        buckets = self.buckets.setdefault((series, worker_id), {})
+        bucket = buckets.setdefault(second, [0.0, 0])
+        bucket[0] += total
+        bucket[1] += count
+        for old in [s for s in buckets if s <= second - self.window_s]:
+            del buckets[old]
+
+    def mean(self, series: str, worker_id: str, now: float) -> float | None:
+        buckets = self.buckets.get((series, worker_id))
+        if not buckets:
+            return None
+        first = math.floor(now) - self.window_s + 1
+        total = count = 0.0
+        for second, (s, n) in buckets.items():
+            if second >= first:
+                total += s
+                count += n
+        return total / count if count else None
+
+
+@dataclass
+class SimWorker:
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    profile: Profile
+    scheduler: Scheduler
+    queue: PrefillQueue = field(default_factory=PrefillQueue)
+    step: Step | None = None
+    step_start: float = 0.0
+    version: int = 0  # invalidates step-end events of steps cut short
+    busy_s: float = 0.0
+    kv_snapshot: float = 0.0  # KV usage at the last scrape
+    pending_tokens: int = 0  # prompt tokens bound here since that scrape
+
+
+@dataclass
+class SessionState:
+    trace: TraceSession
+    index: int  # the session's number: its token ids are unique to it
+    next_round: int = 0
+    decode_id: str = ""
+    tokens: list[int] = field(default_factory=list)  # the conversation so far, as the engine sees it
+    block_hashes: list[int] = field(default_factory=list)  # of ``tokens``' full blocks, carried over rounds
+    l_hist: int = 0
+    prefill_id: str | None = None
+    prefill_cached: int = 0
+    next_token: int = 0
+
+
+@dataclass
+class RoundState:
+    session: SessionState
+    task: PrefillTask
+    route: Route
+    estimate_s: float
+    output_plan: list[int]
+    prefill_done_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    gaps_s: float = 0.0
+    gaps: int = 0
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    session_id: str
+    round: int
+    incremental: bool
+    route: str  # "local" or "remote"
+    ttft_s: float
+    prefill_phase_s: float  # created until the prefill is over (remote: on the prefill worker)
+    mean_itl_s: float | None
+    output_tokens: int
+
+
+# -- the report ---------------------------------------------------------------------------
+class LatencySummary(BaseModel):
+    count: int
+    mean_s: float | None
+    p95_s: float | None
+
+
+class WorkerUsage(BaseModel):
+    worker_id: str
+    role: str
+    utilisation: float  # fraction of the run the worker was stepping
+    preemptions: int
+
+
+class SimReport(BaseModel):
+    policy: str
+    prefill: str
+    decode: str
+    gpus: int
+    sessions: int
+    rounds: int
+    ttft_slo_s: float
+    itl_slo_s: float
+    ttft: LatencySummary
+    ttft_initial: LatencySummary
+    ttft_incremental: LatencySummary
+    itl: LatencySummary  # of each round's mean inter-token latency
+    prefill_phase: LatencySummary
+    first_token_after_prefill: LatencySummary  # TTFT less the prefill phase: KV pull, admission, first step
+    slo_attainment_rounds: float  # rounds meeting both TTFT and ITL thresholds
+    slo_attainment_sessions: float  # sessions all of whose rounds did
+    local_share_incremental: float  # incremental prefills run on the decode worker
+    local_share: float
+    makespan_s: float
+    workers: list[WorkerUsage]
+    wall_s: float = 0.0
+
+    @property
+    def tau_prefill(self) -> float | None:
+        """P95 prefill-phase latency over TTFT_thres: the planner's tau_pre (Eq. 5)."""
+        p95 = self.prefill_phase.p95_s
+        return None if p95 is None else p95 / self.ttft_slo_s
+
+    @property
+    def tau_decode(self) -> float | None:
+        """The planner's tau_dec (Eq. 5): the worse of P95 per-round ITL over ITL_thres and
+        P95 time from prefill to first token over TTFT_thres - a decode replica whose KV
+        cache is full holds first tokens back while its ITL looks fine."""
+        itl, first = self.itl.p95_s, self.first_token_after_prefill.p95_s
+        if itl is None:
+            return None
+        return max(itl / self.itl_slo_s, (first or 0.0) / self.ttft_slo_s)
+
+
+def _summary(values: Sequence[float]) -> LatencySummary:
+    if not values:
+        return LatencySummary(count=0, mean_s=None, p95_s=None)
+    array = np.asarray(values)
+    return LatencySummary(count=len(values), mean_s=float(array.mean()), p95_s=float(np.percentile(array, 95)))
+
+
+# -- the simulation -----------------------------------------------------------------------
+class Simulation:
+    """One run of ``sessions`` through a deployment. ``run()`` once, then read ``report()``."""
+
+    def __init__(self, config: SimConfig, sessions: Sequence[TraceSession]) -> None:
+        self.config = config
+        self.policy: Policy = POLICIES[config.policy]
+        self.rng = random.Random(config.seed)
+        self.stats = WindowedMeans(config.stats_window_s)
+        self.decoders = [
+            self._worker(f"decode-{i}", "decode", config.decode.profile) for i in range(config.decode.replicas)
+        ]
+        self.prefillers = []
+        if config.prefill is not None and self.policy.uses_prefill_workers:
+            self.prefillers = [
+                self._worker(f"prefill-{i}", "prefill", config.prefill.profile) for i in range(config.prefill.replicas)
+            ]
+        self.workers = {w.worker_id: w for w in self.decoders + self.prefillers}
+        self.sessions = [SessionState(s, i) for i, s in enumerate(sessions)]
+        self.records: list[RoundRecord] = []
+        self.rounds: dict[str, RoundState] = {}  # by engine request id
+        self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self.now = 0.0
+        self._next_scrape = 0.0
+
+    def _worker(self, worker_id: str, role: str, profile: Profile) -> SimWorker:
+        return SimWorker(worker_id, role, profile, Scheduler(profile, self.config.scheduler))
+
+    def _at(self, when: float, action: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action, args))
+
+    def run(self) -> None:
+        for session in self.sessions:
+            self._at(session.trace.arrival_s, self._start_round, session)
+        while self._events:
+            when, _, action, args = heapq.heappop(self._events)
+            self.now = when
+            action(*args)
+
+    # -- gateway: a round becomes a routed, queued prefill task ------------------------
+    def _start_round(self, session: SessionState) -> None:
+        now = self.now
+        self._scrape(now)
+        spec = session.trace.rounds[session.next_round]
+        session.tokens.extend(self._fresh_tokens(session, spec.input_tokens))
+        l_total = len(session.tokens)
+        if session.next_round == 0:
+            session.decode_id = self._bind(l_total)
+        decode = self.workers[session.decode_id]
+        task = PrefillTask(
+            f"t{next(self._ids)}", session.trace.session_id, min(session.l_hist, l_total - 1), l_total, now
+        )
+        chosen = route(
+            self.policy, task, self._view(decode, session), [self._view(p, session) for p in self.prefillers],
+            self.config.slo, self.config.alpha, self.config.beta, self.rng,
+        )  # fmt: skip
+        estimate = self._estimate(session, task, chosen)
+        plan = self._fresh_tokens(session, spec.output_tokens)
+        state = RoundState(session, task, chosen, estimate, plan)
+        worker = self.workers[chosen.worker_id]
+        queued = QueuedTask(task.task_id, now, estimate, self.config.slo.ttft_s, 0, task.incremental)
+        worker.queue.tasks.append(queued)
+        worker.queue.cost += estimate
+        self.rounds[task.task_id] = state
+        self._dispatch(worker)
+
+    def _fresh_tokens(self, session: SessionState, n: int) -> list[int]:
+        """Token ids for ``n`` new tokens of ``session``. Only the session's very first token
+        is unique to it: block hashes chain over their parent, so every later block of the
+        session differs from every other session's anyway, and the rest can be small ints
+        (CPython's shared objects - a long trace would otherwise allocate one per token)."""
+        offset = session.next_token
+        session.next_token += n
+        tokens = (
+            _FILLER[offset % 256 : offset % 256 + n]
+            if n <= len(_FILLER) - 256
+            else [(offset + i) % 256 for i in range(n)]
+        )
+        if offset == 0:
+            tokens[0] = 256 + session.index
+        return tokens
+
+    def _scrape(self, now: float) -> None:
+        """The gateway's pool refresh: KV usage as of the last second, pending bindings reset."""
+        if now < self._next_scrape:
+            return
+        for w in self.decoders:  # the usage a real engine has mid-step
+            w.kv_snapshot = w.scheduler.kv_usage(w.step, self.now - w.step_start)
+            w.pending_tokens = 0
+        self._next_scrape = math.floor(now / SCRAPE_INTERVAL_S + 1) * SCRAPE_INTERVAL_S
+
+    def _bind(self, l_total: int) -> str:
+        candidates = [
+            DecodeCandidate(w.worker_id, w.kv_snapshot, w.profile.kv_capacity_tokens, w.pending_tokens)
+            for w in self.decoders
+        ]
+        worker_id = choose_decode_worker(candidates)
+        self.workers[worker_id].pending_tokens += l_total
+        return worker_id
+
+    def _view(self, w: SimWorker, session: SessionState) -> WorkerView:
+        if w.role == "decode":
+            itl = self.stats.mean("itl", w.worker_id, self.now)
+            return WorkerView(w.worker_id, w.profile, windowed_itl=itl, queue_cost=max(0.0, w.queue.cost))
+        cached = session.prefill_cached if session.prefill_id == w.worker_id else 0
+        ttft = self.stats.mean("ttft", w.worker_id, self.now)
+        return WorkerView(w.worker_id, w.profile, windowed_ttft=ttft, queue_cost=max(0.0, w.queue.cost),
+                          cached_tokens=cached)  # fmt: skip
+
+    def _estimate(self, session: SessionState, task: PrefillTask, chosen: Route) -> float:
+        """What the task's queue will hold: as gateway.app.Gateway._estimate."""
+        worker = self.workers[chosen.worker_id]
+        if chosen.kind == "local":
+            return worker.profile.t_pre(task.l_hist, task.l_incr)
+        cached = min(session.prefill_cached, task.l_total - 1) if session.prefill_id == worker.worker_id else 0
+        return worker.profile.t_pre(cached, task.l_total - cached)
+
+    def _dispatch(self, worker: SimWorker) -> None:
+        """Start queued tasks while slots are free, in the order the policy picks (Alg. 2)."""
+        queue, w = worker.queue, self.config.window
+        while queue.tasks and queue.inflight < self.config.prefill_slots:
+            size = self.policy.window(w)
+            window = queue.tasks[:size]
+            decision = pick(self.policy, window, self.now, w)
+            bumped = set(decision.postponed)
+            rest = [replace(window[i], postponed=window[i].postponed + 1) if i in bumped else window[i]
+                    for i in decision.order[1:]]  # fmt: skip
+            chosen = window[decision.order[0]]
+            queue.tasks[:size] = rest
+            queue.inflight += 1
+            queue.cost -= chosen.estimate_s
+            self._launch(self.rounds[chosen.task_id])
+
+    def _release(self, worker: SimWorker) -> None:
+        worker.queue.inflight -= 1
+        self._dispatch(worker)
+
+    def _launch(self, state: RoundState) -> None:
+        """Send the round to its engine: vLLM's hand-off for remote, one request for local."""
+        session, task = state.session, state.task
+        prompt = session.tokens[: task.l_total]
+        request_id = task.task_id
+        if state.route.kind == "remote":
+            prefill = self.workers[state.route.worker_id]
+            request = Request(request_id, prompt, state.output_plan[:1], 1, self.now, do_remote_decode=True)
+            request.block_hashes = list(session.block_hashes)
+            self._submit(prefill, request, state)
+            return
+        request = Request(request_id, prompt, state.output_plan, len(state.output_plan), self.now)
+        request.block_hashes = list(session.block_hashes)
+        self._submit(self.workers[session.decode_id], request, state)
+
+    def _submit(self, worker: SimWorker, request: Request, state: RoundState) -> None:
+        self.rounds[request.request_id] = state
+        worker.scheduler.add_request(request)
+        self._kick(worker)
+
+    # -- engines: stepping in virtual time ---------------------------------------------
+    def _kick(self, worker: SimWorker) -> None:
+        """New work for ``worker``: start a step, or cut a fused one at its next boundary."""
+        if worker.step is None:
+            self._start_step(worker)
+        else:
+            self._cut(worker)
+
+    def _cut(self, worker: SimWorker) -> None:
+        step = worker.step
+        if step is None or step.num_steps == 1:
+            return
+        before = step.num_steps
+        worker.scheduler.cut(step, self.now - worker.step_start)
+        if step.num_steps < before:
+            worker.version += 1
+            self._at(worker.step_start + step.duration, self._end_step, worker, worker.version)
+
+    def _start_step(self, worker: SimWorker) -> None:
+        step = worker.scheduler.schedule(self.now, self.config.max_decode_steps)
+        for load in step.kv_loads:
+            remote = load.request.remote_prefill
+            assert remote is not None
+            source = self.workers[remote.engine_id]
+            done = self.now + t_kv(load.num_tokens, source.profile, worker.profile)
+            self._at(done, self._kv_loaded, worker, load.request.request_id, source, remote.request_id)
+        if step.empty:
+            worker.step = None
+            return
+        worker.step, worker.step_start = step, self.now
+        worker.version += 1
+        self._at(self.now + step.duration, self._end_step, worker, worker.version)
+
+    def _end_step(self, worker: SimWorker, version: int) -> None:
+        if version != worker.version or worker.step is None:
+            return  # a step cut short: its new end is another event
+        step, start = worker.step, worker.step_start
+        worker.step = None
+        worker.busy_s += step.duration
+        ends = [start + b for b in step.boundaries] if step.boundaries else [self.now]
+        for out in worker.scheduler.finish_step(step, self.now):
+            state = self.rounds.get(out.request.request_id)
+            if state is None:
+                continue
+            if worker.role == "prefill":
+                self._prefilled(worker, state, out.request, out.held_block_ids)
+            else:
+                self._tokens(worker, state, ends[-len(out.new_token_ids) :], out.finished, out.request)
+        self._start_step(worker)
+
+    def _kv_loaded(self, worker: SimWorker, request_id: str, source: SimWorker, source_request_id: str) -> None:
+        worker.scheduler.finish_kv_load(request_id, ok=True)
+        source.scheduler.release_transfer(source_request_id)
+        self._kick(worker)
+        self._kick(source)
+
+    # -- gateway: what comes back -------------------------------------------------------
+    def _prefilled(self, prefill: SimWorker, state: RoundState, request: Request, held: tuple[int, ...]) -> None:
+        """The remote prefill answered: free its slot, send the decode with the transfer params."""
+        state.prefill_done_at = self.now
+        self.rounds.pop(request.request_id, None)
+        self._release(prefill)
+        session = state.session
+        remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held)
+        decode = Request(f"{request.request_id}-d", request.prompt_token_ids, state.output_plan,
+                         len(state.output_plan), self.now, remote_prefill=remote)  # fmt: skip
+        decode.block_hashes = list(session.block_hashes)
+        self._submit(self.workers[session.decode_id], decode, state)
+
+    def _tokens(
+        self, decode: SimWorker, state: RoundState, times: list[float], finished: bool, request: Request
+    ) -> None:
+        if state.first_token_at is None:
+            state.first_token_at = state.last_token_at = times[0]
+            if state.route.kind == "local":  # the local prefill is over: free the slot
+                state.prefill_done_at = times[0]
+                self._release(decode)
+            times = times[1:]
+        if times:
+            state.gaps_s += times[-1] - state.last_token_at
+            state.gaps += len(times)
+            state.last_token_at = times[-1]
+        if finished:
+            self._finish_round(state, request)
+
+    def _finish_round(self, state: RoundState, request: Request) -> None:
+        session, task = state.session, state.task
+        self.rounds.pop(request.request_id, None)
+        self.rounds.pop(task.task_id, None)
+        assert state.first_token_at is not None and state.prefill_done_at is not None
+        ttft = state.first_token_at - task.created_at
+        mean_itl = state.gaps_s / state.gaps if state.gaps else None
+        series = ("ttft", state.route.worker_id) if state.route.kind == "remote" else ("ttft_local", session.decode_id)
+        self.stats.record(*series, ttft, 1, self.now)
+        self.stats.record("itl", session.decode_id, state.gaps_s, state.gaps, self.now)
+        self.records.append(
+            RoundRecord(session.trace.session_id, session.next_round, task.incremental, state.route.kind, ttft,
+                        state.prefill_done_at - task.created_at, mean_itl, request.num_output_tokens)
+        )  # fmt: skip
+        session.tokens.extend(request.output_token_ids)
+        session.block_hashes = request.block_hashes
+        session.l_hist = request.num_prompt_tokens + request.num_output_tokens
+        if state.route.kind == "remote":
+            session.prefill_id, session.prefill_cached = state.route.worker_id, task.l_total
+        spec = session.trace.rounds[session.next_round]
+        session.next_round += 1
+        if session.next_round < len(session.trace.rounds):
+            self._at(self.now + spec.tool_latency_s, self._start_round, session)
+        else:  # done: its conversation (tens of MB over a long trace) is not needed any more
+            session.tokens, session.block_hashes = [], []
+
+    # -- results --------------------------------------------------------------------
+    def report(self, wall_s: float = 0.0) -> SimReport:
+        records, slo = self.records, self.config.slo
+        met = [r.ttft_s <= slo.ttft_s and (r.mean_itl_s is None or r.mean_itl_s <= slo.itl_s) for r in records]
+        by_session: dict[str, bool] = {}
+        for record, ok in zip(records, met, strict=True):
+            by_session[record.session_id] = by_session.get(record.session_id, True) and ok
+        complete = {s.trace.session_id for s in self.sessions if s.next_round == len(s.trace.rounds)}
+        incremental = [r for r in records if r.incremental]
+        start = min((s.trace.arrival_s for s in self.sessions), default=0.0)
+        makespan = max(self.now - start, 1e-9)
+        pools = f"{self.config.prefill.label()}" if self.prefillers and self.config.prefill else "none"
+        return SimReport(
+            policy=self.config.policy,
+            prefill=pools,
+            decode=self.config.decode.label(),
+            gpus=self.config.decode.gpus + (self.config.prefill.gpus if self.prefillers and self.config.prefill else 0),
+            sessions=len(self.sessions),
+            rounds=len(records),
+            ttft_slo_s=slo.ttft_s,
+            itl_slo_s=slo.itl_s,
+            ttft=_summary([r.ttft_s for r in records]),
+            ttft_initial=_summary([r.ttft_s for r in records if not r.incremental]),
+            ttft_incremental=_summary([r.ttft_s for r in incremental]),
+            itl=_summary([r.mean_itl_s for r in records if r.mean_itl_s is not None]),
+            prefill_phase=_summary([r.prefill_phase_s for r in records]),
+            first_token_after_prefill=_summary([r.ttft_s - r.prefill_phase_s for r in records]),
+            slo_attainment_rounds=sum(met) / len(met) if met else 0.0,
+            slo_attainment_sessions=(
+                sum(1 for s, ok in by_session.items() if ok and s in complete) / len(self.sessions)
+                if self.sessions
+                else 0.0
+            ),
+            local_share_incremental=(
+                sum(r.route == "local" for r in incremental) / len(incremental) if incremental else 0.0
+            ),
+            local_share=sum(r.route == "local" for r in records) / len(records) if records else 0.0,
+            makespan_s=makespan,
+            workers=[
+                WorkerUsage(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    utilisation=w.busy_s / makespan,
+                    preemptions=w.scheduler.num_preemptions,
+                )
+                for w in self.workers.values()
+            ],  # fmt: skip
+            wall_s=wall_s,
+        )
+
+
+def simulate(config: SimConfig, sessions: Sequence[TraceSession]) -> SimReport:
+    """Run ``sessions`` through the deployment ``config`` and summarise (wall time included)."""
+    started = time.perf_counter()
+    sim = Simulation(config, sessions)
+    # The run allocates millions of short-lived containers and frees them without cycles;
+    # the cyclic collector would rescan every live session's token lists again and again.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        sim.run()
+    finally:
+        if enabled:
+            gc.enable()
+    return sim.report(wall_s=time.perf_counter() - started)

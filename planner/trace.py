@@ -1,0 +1,181 @@
+"""Multi-round workload traces: the JSONL format, and generators shaped like the paper's.
+
+One line per session (an agent run or an iterative RAG query)::
+
+    {"session_id": "tb-0", "arrival_s": 0.41, "rounds": [
+        {"input_tokens": 812, "output_tokens": 47, "tool_calls": 1, "tool_latency_s": 0.9},
+        {"input_tokens": 655, "output_tokens": 52, "tool_calls": 0, "tool_latency_s": 0.0}]}
+
+``input_tokens`` is what the round adds to the conversation before it prefills (the
+whole prompt in the first round, the tool results after that), so the round's prompt
+is every earlier round's input and output plus its own input. The session waits
+``tool_latency_s`` after a round that called tools, then sends the next round; the last
+round calls none.
+
+The generators match the means of AMPD's Table 1 (shared/seeds/003_517589c8db448ff1.txt,
+section 7.1), read as rounds per session, prompt tokens added per round and output
+tokens per round. The paper gives only means; the spreads are our choice:
+
+* token counts are log-normal with sigma 0.6 (prompt) and 0.5 (output): LLM prompt and
+  output lengths are right-skewed with a long tail (the shape measured in ShareGPT,
+  BurstGPT and Splitwise's traces), and a log-normal keeps every length positive;
+* rounds: ToolBench and GAIA are agent runs that stop when the task is done, so their
+  count is 1 + Poisson (ToolBench) or 1 + negative binomial (GAIA, whose long tasks
+  make the spread larger than the mean); HotpotQA and DuReader are iterative RAG with
+  exactly three retrievals, so three rounds (Appendix B);
+* tool latency is log-normal around the tool's kind: 1 s for ToolBench's REST APIs,
+  2 s for GAIA's browsing and code, 0.2 s for a retrieval (not in the paper);
+* sessions arrive as a Poisson process at ``rate`` per second (section 7.1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TraceRound(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_tokens: int = Field(ge=1, description="prompt tokens this round adds (the whole prompt in round 1)")
+    output_tokens: int = Field(ge=1)
+    tool_calls: int = Field(default=0, ge=0, description="tool calls that end this round")
+    tool_latency_s: float = Field(default=0.0, ge=0, description="time until the tool results are in")
+
+
+class TraceSession(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_id: str = Field(min_length=1)
+    arrival_s: float = Field(ge=0)
+    rounds: list[TraceRound] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _last_round_ends(self) -> TraceSession:
+        if self.rounds[-1].tool_calls:
+            raise ValueError(f"session {self.session_id}: the last round calls tools nobody answers")
+        return self
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of the whole conversation after its last round."""
+        return sum(r.input_tokens + r.output_tokens for r in self.rounds)
+
+
+def load_trace(path: Path) -> list[TraceSession]:
+    """Sessions of a JSONL trace, by arrival time. Errors name the offending line."""
+    sessions: list[TraceSession] = []
+    seen: set[str] = set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            session = TraceSession.model_validate_json(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from exc
+        if session.session_id in seen:
+            raise ValueError(f"{path}:{number}: duplicate session id {session.session_id!r}")
+        seen.add(session.session_id)
+        sessions.append(session)
+    if not sessions:
+        raise ValueError(f"{path}: no sessions")
+    return sorted(sessions, key=lambda s: s.arrival_s)
+
+
+def write_trace(sessions: Iterable[TraceSession], path: Path) -> None:
+    path.write_text("".join(s.model_dump_json() + "\n" for s in sessions))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The shape of one trace family: Table 1's means plus our spreads (module docstring)."""
+
+    name: str
+    mean_rounds: float
+    mean_input_tokens: float
+    mean_output_tokens: float
+    mean_tool_latency_s: float
+    rounds_dispersion: float = 1.0  # variance / mean of (rounds - 1); 0 = fixed count
+    input_sigma: float = 0.6
+    output_sigma: float = 0.5
+    tool_sigma: float = 0.5
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("toolbench", 3.96, 703.79, 50.39, 1.0),
+        Workload("gaia", 11.32, 6161.02, 528.76, 2.0, rounds_dispersion=3.0),
+        Workload("hotpotqa", 3.0, 1569.8, 80.03, 0.2, rounds_dispersion=0.0),
+        Workload("dureader", 3.0, 3081.23, 150.10, 0.2, rounds_dispersion=0.0),
+    ]
+}
+
+
+def _lognormal(rng: np.random.Generator, mean: float, sigma: float, size: int) -> np.ndarray:
+    """Log-normal draws with the given *mean* (not median)."""
+    return rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, size)
+
+
+def _rounds(rng: np.random.Generator, w: Workload, size: int) -> np.ndarray:
+    extra = w.mean_rounds - 1
+    if w.rounds_dispersion == 0:
+        return np.full(size, round(w.mean_rounds), dtype=int)
+    if w.rounds_dispersion == 1:
+        return 1 + rng.poisson(extra, size)
+    p = 1 / w.rounds_dispersion  # negative binomial with mean `extra`, variance extra/p
+    return 1 + rng.negative_binomial(extra * p / (1 - p), p, size)
+
+
+def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> list[TraceSession]:
+    """``sessions`` sessions of ``workload`` arriving as a Poisson process at ``rate``/s."""
+    if sessions < 1 or rate <= 0:
+        raise ValueError("need at least one session and a positive rate")
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, sessions))
+    counts = _rounds(rng, workload, sessions)
+    total = int(counts.sum())
+    inputs = np.maximum(1, _lognormal(rng, workload.mean_input_tokens, workload.input_sigma, total).round())
+    outputs = np.maximum(1, _lognormal(rng, workload.mean_output_tokens, workload.output_sigma, total).round())
+    tools = _lognormal(rng, workload.mean_tool_latency_s, workload.tool_sigma, total)
+    out, k = [], 0
+    for i in range(sessions):
+        rounds = []
+        for j in range(counts[i]):
+            last = j == counts[i] - 1
+            rounds.append(
+                TraceRound(
+                    input_tokens=int(inputs[k]),
+                    output_tokens=int(outputs[k]),
+                    tool_calls=0 if last else 1,
+                    tool_latency_s=0.0 if last else round(float(tools[k]), 4),
+                )
+            )
+            k += 1
+        out.append(
+            TraceSession(session_id=f"{workload.name}-{i}", arrival_s=round(float(arrivals[i]), 4), rounds=rounds)
+        )
+    return out
+
+
+def summarize(sessions: list[TraceSession]) -> dict[str, float]:
+    """Table 1's columns for a trace, to compare a generated one with the paper."""
+    rounds = [r for s in sessions for r in s.rounds]
+    span = sessions[-1].arrival_s - sessions[0].arrival_s
+    return {
+        "sessions": len(sessions),
+        "mean_rounds": len(rounds) / len(sessions),
+        "mean_input_tokens": float(np.mean([r.input_tokens for r in rounds])),
+        "mean_output_tokens": float(np.mean([r.output_tokens for r in rounds])),
+        "arrival_rate": (len(sessions) - 1) / span if span > 0 else math.inf,
+    }
+
+
+def subsample(sessions: list[TraceSession], every: int, offset: int = 0) -> Iterator[TraceSession]:
+    """Every ``every``-th session: the share of the trace one of ``every`` replicas gets."""
+    return (s for i, s in enumerate(sessions) if i % every == offset)

@@ -1,0 +1,211 @@
+"""The profiler: fitting recovers a known profile; measuring a GPU-free worker recovers its profile."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from planner.piecewise import Piece, PiecewiseLinear
+from planner.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
+from planner.profiler import (
+    DecodeSample,
+    Grid,
+    Measurements,
+    PrefillSample,
+    TransferSample,
+    fit,
+    profile_worker,
+    report_table,
+)
+from tests.engines import start_sim_worker, stop
+
+TRUE = load_profile(DEFAULT_PROFILE)  # Llama-3.1-8B on one H100 (roofline)
+
+
+def _linear(unit: str, beta: float, alpha: float = 0.0) -> PiecewiseLinear:
+    return PiecewiseLinear(unit=unit, pieces=[Piece(upto=None, alpha=alpha, beta=beta)])
+
+
+def _known_profile() -> Profile:
+    """Costs of the shape a real engine has, with the forward's corner on a grid point:
+    flat (weight reads) up to 256 tokens, then compute-bound."""
+    beta = 33.7e-6
+    forward = PiecewiseLinear(
+        unit="tokens",
+        pieces=[Piece(upto=256.0, alpha=9.6e-3, beta=0.0), Piece(upto=None, alpha=9.6e-3 - 256 * beta, beta=beta)],
+    )
+    pieces = CostPieces(
+        forward=forward,
+        prefill_attention=_linear("query-key pairs", 1.32e-9),
+        context_read=_linear("tokens", 4.6e-8),
+        kv_transfer=_linear("bytes", 1 / 40e9, alpha=5e-3),
+    )
+    return TRUE.model_copy(update={"name": "known", "pieces": pieces})
+
+
+def _synthetic(profile: Profile, grid: Grid) -> Measurements:
+    """What a noiseless engine running ``profile`` would measure on ``grid``."""
+    prefill = [
+        PrefillSample(l_hist=h, l_incr=i, seconds=profile.t_pre(h, i))
+        for h in grid.prefill_hist
+        for i in grid.prefill_incr
+    ]
+    decode = [
+        DecodeSample(batch=b, context=b * (c + 10), seconds=profile.t_dec(b, b * (c + 10)), prompt_tokens=c)
+        for b in grid.decode_batch
+        for c in grid.decode_context
+    ]
+    transfer = [
+        TransferSample(tokens=n, seconds=t_kv(n, profile, profile), total_seconds=0.0, recompute_seconds=0.0)
+        for n in grid.transfer_tokens
+    ]
+    return Measurements(
+        url="synthetic",
+        model_name="m",
+        max_model_len=32768,
+        speed=1.0,
+        prefill=prefill,
+        decode=decode,
+        transfer=transfer,
+    )
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / b
+
+
+@pytest.mark.parametrize("monotone", [True, False])
+def test_fit_recovers_a_known_profile_exactly(monotone):
+    truth = _known_profile()
+    measured = _synthetic(truth, Grid())
+    fitted, report = fit(
+        measured,
+        model=truth.model,
+        gpu=truth.gpu,
+        tp=truth.tp,
+        kv_capacity_tokens=1000,
+        name="fitted",
+        monotone=monotone,
+    )
+    assert fitted.method == "measured" and fitted.name == "fitted" and fitted.kv_capacity_tokens == 1000
+    for piece in report.pieces:
+        assert piece.samples > 0 and piece.measured
+        assert piece.max_rel_error < 1e-6, piece
+    # Off the grid as well as on it.
+    for hist, incr in [(0, 100), (300, 700), (5000, 3000), (8192, 16), (20000, 2000)]:
+        assert _rel(fitted.t_pre(hist, incr), truth.t_pre(hist, incr)) < 0.02, (hist, incr)
+    for batch, context in [(1, 500), (8, 8 * 3000), (32, 32 * 700), (128, 128 * 2000)]:
+        assert _rel(fitted.t_dec(batch, context), truth.t_dec(batch, context)) < 0.02, (batch, context)
+    for tokens in [100, 2000, 10000, 30000]:
+        assert _rel(t_kv(tokens, fitted, fitted), t_kv(tokens, truth, truth)) < 0.02, tokens
+    Profile.model_validate_json(fitted.model_dump_json())  # a valid profile file
+
+
+def test_monotone_fit_of_noisy_samples_never_gets_cheaper_with_more_work():
+    rng = random.Random(7)
+    measured = _synthetic(_known_profile(), Grid())
+    noisy = measured.model_copy(
+        update={
+            "prefill": [s.model_copy(update={"seconds": s.seconds * rng.uniform(0.9, 1.1)}) for s in measured.prefill],
+            "decode": [s.model_copy(update={"seconds": s.seconds * rng.uniform(0.9, 1.1)}) for s in measured.decode],
+        }
+    )
+    truth = TRUE
+    fitted, report = fit(noisy, model=truth.model, gpu=truth.gpu, tp=1, kv_capacity_tokens=1, name="noisy")
+    p = fitted.pieces
+    for piece in (p.forward, p.prefill_attention, p.context_read):
+        assert all(x.beta >= 0 for x in piece.pieces), piece
+    assert p.forward.pieces[0].alpha >= 0
+    assert report.piece("forward").max_rel_error < 0.15
+
+
+def test_fit_without_transfer_samples_uses_the_roofline_kv_transfer():
+    truth = _known_profile()
+    measured = _synthetic(truth, Grid()).model_copy(update={"transfer": []})
+    fitted, report = fit(measured, model=truth.model, gpu=truth.gpu, tp=1, kv_capacity_tokens=1, name="x")
+    assert not report.piece("kv_transfer").measured
+    assert fitted.pieces.kv_transfer == TRUE.pieces.kv_transfer.model_copy(update={"max_rel_error": None})
+    assert report_table(report).row_count == 4
+
+
+# The real thing: a prefill and a decode GPU-free worker serving TRUE. They run at half
+# the modelled speed and first tokens are timed by the engine's clock: on a small
+# machine the Python HTTP stack adds 3-9 ms per request (client clock), which is a
+# large part of an 8B model's 10 ms step and would dominate the comparison.
+SPEED = 0.5
+SMALL_GRID = Grid(
+    prefill_hist=(0, 1024, 4096),
+    prefill_incr=(16, 64, 256, 2048),
+    decode_batch=(1, 16, 48),
+    decode_context=(256, 1536),
+    transfer_tokens=(257, 1025, 4097),
+    repeats=3,
+    steady_tokens=12,
+)
+
+
+@pytest.fixture(scope="module")
+def measured_profile(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("profiler")
+    prefill = start_sim_worker(tmp, "--role", "prefill", "--speed", str(SPEED))
+    decode = start_sim_worker(tmp, "--role", "decode", "--speed", str(SPEED))
+    out = tmp / "measured.json"
+    raw = tmp / "measurements.json"
+    started = time.monotonic()
+    try:
+        profile, report = asyncio.run(
+            profile_worker(
+                decode.url,
+                prefill_url=prefill.url,
+                model=TRUE.model,
+                gpu=TRUE.gpu,
+                tp=TRUE.tp,
+                speed=SPEED,
+                out_path=out,
+                grid=SMALL_GRID,
+                clock="engine",
+                measurements_out=raw,
+            )
+        )
+    finally:
+        stop(prefill)
+        stop(decode)
+    measurements = Measurements.model_validate_json(raw.read_text())
+    return profile, report, out, measurements, time.monotonic() - started
+
+
+def test_measured_profile_is_written_and_loadable(measured_profile):
+    profile, report, out, measurements, _ = measured_profile
+    assert load_profile(out) == profile
+    assert profile.method == "measured" and profile.name == "measured"
+    assert profile.kv_capacity_tokens == pytest.approx(TRUE.kv_capacity_tokens, rel=0.01)
+    assert len(measurements.prefill) == 12 and len(measurements.decode) == 6 and len(measurements.transfer) == 3
+    # Every prefill got the cache hit it asked for; both clocks were read.
+    assert {(s.l_hist, s.l_incr) for s in measurements.prefill} == {
+        (h, i) for h in SMALL_GRID.prefill_hist for i in SMALL_GRID.prefill_incr
+    }
+    assert measurements.api_overhead_seconds is not None and measurements.api_overhead_seconds > 0
+    assert report.piece("kv_transfer").samples == len(SMALL_GRID.transfer_tokens)
+    for piece in report.pieces:
+        assert piece.max_rel_error < 0.1, piece
+
+
+@pytest.mark.parametrize(("hist", "incr"), [(0, 512), (512, 512), (2048, 1024), (2048, 64), (3072, 3000)])
+def test_measured_t_pre_matches_the_worker(measured_profile, hist, incr):
+    profile = measured_profile[0]
+    assert _rel(profile.t_pre(hist, incr), TRUE.t_pre(hist, incr)) < 0.15
+
+
+@pytest.mark.parametrize(("batch", "context"), [(1, 1024), (4, 4 * 512), (16, 16 * 1024), (24, 24 * 1500)])
+def test_measured_t_dec_matches_the_worker(measured_profile, batch, context):
+    profile = measured_profile[0]
+    assert _rel(profile.t_dec(batch, context), TRUE.t_dec(batch, context)) < 0.15
+
+
+@pytest.mark.parametrize("tokens", [600, 2049, 4000])
+def test_measured_t_kv_matches_the_worker(measured_profile, tokens):
+    profile = measured_profile[0]
+    assert _rel(t_kv(tokens, profile, profile), t_kv(tokens, TRUE, TRUE)) < 0.25
