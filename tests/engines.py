@@ -88,6 +88,11 @@ def start_tools_worker(tmp: Path, redis_url: str, prefix: str, env: dict[str, st
 
 
 def kill_group(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    """SIGKILL ``process`` (started with ``start_new_session``) and everything in its session:
+    rq's work horses move to process groups of their own, and would otherwise finish their
+    job - writing to Redis - after the test has moved on."""
+    for pid in [int(d) for d in os.listdir("/proc") if d.isdigit()]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getsid(pid) == process.pid:
+                os.kill(pid, signal.SIGKILL)
     process.wait(timeout=10)
