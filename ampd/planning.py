@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -239,6 +240,6 @@ def _plan_json(result, checked) -> dict:
         "slo": {"ttft_s": result.slo.ttft_s, "itl_s": result.slo.itl_s},
         "planner": [entry(r) for r in result.ranked],
         "exhaustive": [entry(r) for r in checked],
-        "taus": [o.__dict__ for o in result.options],
+        "taus": [asdict(o) for o in result.options],
         "solve_s": result.solve_s,
     }

@@ -158,7 +158,6 @@ class RoundState:
     session: SessionState
     task: PrefillTask
     route: Route
-    estimate_s: float
     output_plan: list[int]
     prefill_done_at: float | None = None
     first_token_at: float | None = None
@@ -300,7 +299,7 @@ class Simulation:
         )  # fmt: skip
         estimate = self._estimate(session, task, chosen)
         plan = self._fresh_tokens(session, spec.output_tokens)
-        state = RoundState(session, task, chosen, estimate, plan)
+        state = RoundState(session, task, chosen, plan)
         worker = self.workers[chosen.worker_id]
         queued = QueuedTask(task.task_id, now, estimate, self.config.slo.ttft_s, 0, task.incremental)
         worker.queue.tasks.append(queued)
