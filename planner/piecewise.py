@@ -67,13 +67,6 @@ class PiecewiseLinear(BaseModel):
         alpha, beta = coefficients[bisect_left(ends, x)]
         return alpha + beta * x
 
-    def many(self, xs: np.ndarray) -> np.ndarray:
-        """The function at every element of ``xs`` (vectorised ``__call__``)."""
-        ends, coefficients = self._table
-        alpha, beta = np.array(coefficients).T
-        index = np.searchsorted(np.array(ends, dtype=float), xs, side="left")
-        return np.where(xs > 0, alpha[index] + beta[index] * xs, 0.0)
-
 
 def fit_piecewise(xs: Sequence[float], ys: Sequence[float], knots: Sequence[float], unit: str) -> PiecewiseLinear:
     """Least-squares fit of a continuous piecewise-linear function with fixed knots.

@@ -29,7 +29,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from planner.memory import MemoryPlan
@@ -117,9 +116,12 @@ class Profile(BaseModel):
     def decode_steps(self, batch: int, context: int, steps: int) -> list[float]:
         """Cumulative end times of ``steps`` decode steps of a fixed batch whose context
         grows by ``batch`` tokens a step: ``[T_dec(b, C), T_dec(b, C) + T_dec(b, C + b), ...]``."""
-        contexts = context + batch * np.arange(steps, dtype=float)
-        per_step = self.pieces.forward(batch) + self.pieces.context_read.many(contexts)
-        return np.cumsum(per_step).tolist()
+        forward, read = self.pieces.forward(batch), self.pieces.context_read
+        out, elapsed = [], 0.0
+        for i in range(steps):
+            elapsed += forward + read(context + i * batch)
+            out.append(elapsed)
+        return out
 
     def dump(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")
