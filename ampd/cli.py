@@ -22,6 +22,8 @@ app.add_typer(worker_app, name="worker")
 app.add_typer(profile_app, name="profile")
 app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
+sessions_app = typer.Typer(help="Sessions a gateway served.", no_args_is_help=True)
+app.add_typer(sessions_app, name="sessions")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
 console = Console()
@@ -188,6 +190,39 @@ def tools_worker(
     from tools_sandbox.worker import run_workers
 
     raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
+
+
+@sessions_app.command("show")
+def sessions_show(
+    session_id: str,
+    gateway: Annotated[str, typer.Option(help="the gateway's URL")] = "http://127.0.0.1:8000",
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY", help="the session's API key")] = None,
+) -> None:
+    """Every round of a session: route, queue wait, TTFT and ITL (GET /v1/sessions/{id})."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{gateway}/v1/sessions/{session_id}", headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]{gateway} unreachable: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    body = response.json()
+    if response.status_code != 200:
+        console.print(f"[red]{response.status_code}: {body.get('error', {}).get('message', body)}[/red]")
+        raise typer.Exit(1)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:,.1f} ms"
+
+    table = Table("round", "kind", "route", "worker", "l_hist + l_incr", "queue wait", "TTFT", "mean ITL", "tokens",
+                  title=f"session {body['id']} on {body['decode_worker']}")  # fmt: skip
+    for r in body["rounds"]:
+        worker = r["prefill_worker"] if r["route"] == "remote" else r["decode_worker"]
+        table.add_row(str(r["round"]), r["kind"], f"{r['route']} ({r['reason']})", worker,
+                      f"{r['l_hist']:,} + {r['l_incr']:,}", ms(r["queue_wait_s"]), ms(r["ttft_s"]),
+                      ms(r["mean_itl_s"]), str(r["completion_tokens"]))  # fmt: skip
+    console.print(table)
 
 
 @profile_app.callback()

@@ -408,15 +408,16 @@ class Gateway:
             if slot_worker is not None:  # nothing to relay this round (a hidden tool call)
                 self.queues.release(slot_worker, r.task.task_id)
                 slot_worker = None
-            await self._record_round(ex.session, r, reply, route_kind, prefill_worker)
+            await self._record_round(ex.session, r, reply, route_kind, prefill_worker, dispatched.queued_s)
         finally:
             if slot_worker is not None:
                 self.queues.release(slot_worker, r.task.task_id)
 
     async def _record_round(
-        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str
+        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str, queued_s: float
     ) -> None:
-        """After a round: what the decode worker holds, and the round's TTFT and ITL."""
+        """After a round: what the decode worker holds, the round's TTFT and ITL in the shared
+        statistics, and its record for ``GET /v1/sessions/{id}``."""
         usage = reply.usage or {}
         session.l_hist = int(usage.get("prompt_tokens", r.task.l_total)) + int(usage.get("completion_tokens", 0))
         session.rounds += 1
@@ -426,10 +427,18 @@ class Gateway:
         ttft_series = ("ttft", prefill_worker) if route_kind == "remote" else ("ttft_local", decode_id)
         observations = [(*ttft_series, reply.ttft_s or 0.0, 1 if reply.ttft_s is not None else 0)]
         observations.append(("itl", decode_id, reply.gaps_s, reply.gaps))
+        kind = "incremental" if r.task.incremental else "initial"
+        record = {
+            "round": session.rounds, "kind": kind, "route": route_kind,
+            "prefill_worker": prefill_worker if route_kind == "remote" else None, "decode_worker": decode_id,
+            "reason": r.route.reason, "l_hist": r.task.l_hist, "l_incr": r.task.l_incr,
+            "queue_wait_s": queued_s, "ttft_s": reply.ttft_s, "mean_itl_s": reply.mean_itl_s,
+            "completion_tokens": int(usage.get("completion_tokens", 0)), "started_at": r.task.created_at,
+        }  # fmt: skip
         async with self.redis.pipeline(transaction=False) as pipe:
             self.stats.record(pipe, observations)
+            self.sessions.record_round(pipe, session, record)
             await pipe.execute()
-        kind = "incremental" if r.task.incremental else "initial"
         if reply.ttft_s is not None:
             self.metrics.ttft.labels(kind).observe(reply.ttft_s)
         if reply.mean_itl_s is not None:
@@ -490,6 +499,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         created = int(time.time())
         data = [{"id": m, "object": "model", "created": created, "owned_by": "ampd"} for m in gateway.pool.models()]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session_rounds(session_id: str, request: Request) -> dict[str, Any]:
+        """Every round of a session: route, queue wait, TTFT, ITL. Scoped to the caller's key,
+        so another tenant's session id is simply not found."""
+        scope = gateway.authenticate(request.headers.get("authorization"))
+        session = await gateway.sessions.load(scope, session_id)
+        if session is None:
+            raise APIError(404, f"No session found with id '{session_id}'.", code="session_not_found")
+        return {
+            "id": session_id, "object": "session", "created": int(session.created),
+            "decode_worker": session.decode_worker, "rounds": await gateway.sessions.rounds(scope, session_id),
+        }  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -24,6 +24,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+MAX_ROUND_RECORDS = 1000
+
 
 @dataclass
 class Session:
@@ -145,6 +147,20 @@ class SessionStore:
             pipe.delete(self._transcript(session.scope, session.session_id))
         if not session.explicit_id:
             pipe.set(self._conversation(session.scope, session.conversation_hash), session.session_id, ex=self.ttl_s)
+
+    def _rounds(self, scope: str, session_id: str) -> str:
+        return f"{self.p}:rounds:{scope}:{session_id}"
+
+    def record_round(self, pipe: aioredis.client.Pipeline, session: Session, record: Mapping[str, Any]) -> None:
+        """Stage one round's record (route, queue wait, TTFT, ITL, ...) for ``GET /v1/sessions/{id}``;
+        the newest MAX_ROUND_RECORDS are kept, as long as the session."""
+        key = self._rounds(session.scope, session.session_id)
+        pipe.rpush(key, json.dumps(dict(record)))
+        pipe.ltrim(key, -MAX_ROUND_RECORDS, -1)
+        pipe.expire(key, self.ttl_s)
+
+    async def rounds(self, scope: str, session_id: str) -> list[dict[str, Any]]:
+        return [json.loads(r) for r in await self.redis.lrange(self._rounds(scope, session_id), 0, -1)]
 
     async def transcript(self, scope: str, session_id: str) -> list[dict[str, Any]] | None:
         raw = await self.redis.get(self._transcript(scope, session_id))

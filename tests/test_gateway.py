@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -136,6 +138,31 @@ def test_a_five_round_agent_session_is_bound_once(stack):
     assert int(record["l_hist"]) == last.prompt_tokens + last.completion_tokens
     routes = {h["x-ampd-route"].split(":", 1)[0] for h, _, _ in rounds}
     assert routes <= {"local", "remote"}
+
+
+def test_every_round_of_a_session_can_be_read_back_by_its_key_only(stack):
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
+    session_id = f"s-{uuid.uuid4().hex[:8]}"
+    rounds = list(agent_loop(client, 3, session_id=session_id))
+    body = httpx.get(f"{stack.url}/v1/sessions/{session_id}").json()
+    assert body["id"] == session_id and len(body["rounds"]) == 3
+    assert [r["kind"] for r in body["rounds"]] == ["initial", "incremental", "incremental"]
+    for (headers, usage, _), record in zip(rounds, body["rounds"], strict=True):
+        route, worker = headers["x-ampd-route"].split(":", 1)
+        assert record["route"] == route
+        assert worker == (record["prefill_worker"] if route == "remote" else record["decode_worker"])
+        assert record["completion_tokens"] == usage.completion_tokens
+        assert record["l_hist"] + record["l_incr"] == usage.prompt_tokens
+        assert record["ttft_s"] > 0 and record["queue_wait_s"] >= 0
+    assert body["rounds"][1]["l_hist"] > 0  # the decode worker held the first round
+    command = [sys.executable, "-m", "ampd.cli", "sessions", "show", session_id, "--gateway", stack.url]
+    shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert shown.returncode == 0 and "incremental" in shown.stdout, shown.stdout + shown.stderr
+    # Another tenant (another key) cannot see it: not found, not forbidden - the id space is per key.
+    keyed = stack.add_gateway("--api-key", "sk-other")
+    other = httpx.get(f"{keyed.url}/v1/sessions/{session_id}", headers={"Authorization": "Bearer sk-other"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "session_not_found"
+    assert httpx.get(f"{keyed.url}/v1/sessions/{session_id}").status_code == 401
 
 
 def test_no_round_loses_its_kv(stack):
