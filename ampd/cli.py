@@ -114,6 +114,9 @@ def gateway(
         str, typer.Option(help="server-side tools requests may enable")
     ] = "python,retrieve,calculator",
     max_tool_rounds: Annotated[int, typer.Option(help="server tool rounds per request")] = 8,
+    otlp_endpoint: Annotated[
+        str | None, typer.Option(envvar="OTEL_EXPORTER_OTLP_ENDPOINT", help="export per-round spans (OTLP/HTTP)")
+    ] = None,
     log_level: str = "warning",
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
@@ -149,6 +152,10 @@ def gateway(
         server_tools=tuple(t for t in server_tools.split(",") if t),
         max_tool_rounds=max_tool_rounds,
     )
+    if otlp_endpoint:
+        from gateway.tracing import configure_otlp
+
+        configure_otlp(otlp_endpoint)
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
 
 

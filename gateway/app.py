@@ -42,6 +42,7 @@ from gateway.routing import PrefillTask, Route, WorkerView
 from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.stats import WindowedStats
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
+from gateway.tracing import RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
 from planner.slo import SLO, derived_slo
 from tools_sandbox.client import ToolRunner
@@ -76,6 +77,17 @@ class Exchange:
         if self.engine_tools:
             body["tools"] = self.engine_tools
         return body
+
+
+@dataclass
+class RoundTimes:
+    """When a round's phases happened (wall clock), for its record and its spans."""
+
+    queued_at: float
+    queued_s: float = 0.0  # the queue's own measure, enqueue to dispatch
+    dispatched_at: float = 0.0
+    prefilled_at: float | None = None  # remote rounds: the prefill worker answered
+    decode_sent_at: float = 0.0
 
 
 @dataclass
@@ -114,6 +126,7 @@ class Gateway:
         self.rng = random.Random(config.routing_seed)
         self.key_hashes = config.key_hashes
         self.tools = ToolRunner(config.redis_url, config.key_prefix)
+        self.tracer = RoundTracer()
         self._refresher: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -373,11 +386,14 @@ class Gateway:
 
     async def run_round(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
         """Queue, prefill and decode one round; yields what the client gets of it."""
+        times = RoundTimes(queued_at=time.time())
         try:
             estimate = self._estimate(ex.session, r)
             dispatched = await self.queues.submit(r.route.worker_id, r.task, estimate, ex.slo.ttft_s)
         except QueueFull as exc:
             raise APIError(429, str(exc), code="queue_full") from exc
+        times.queued_s = dispatched.queued_s
+        times.dispatched_at = time.time()
         self.metrics.queue_wait.observe(dispatched.queued_s)
         slot_worker: str | None = r.route.worker_id
         request_id = uuid.uuid4().hex
@@ -390,6 +406,7 @@ class Gateway:
                     if prefill is None:
                         raise UpstreamError(f"prefill worker {prefill_worker} left the pool")
                     params = await self.client.prefill(prefill.info.url, body, request_id)
+                    times.prefilled_at = time.time()
                     body = dict(body, kv_transfer_params=params)
                 except UpstreamError as exc:
                     if 400 <= exc.status < 500:
@@ -399,6 +416,7 @@ class Gateway:
                     route_kind = "local"
                 self.queues.release(prefill_worker, r.task.task_id)
                 slot_worker = None
+            times.decode_sent_at = time.time()
             stream = self.client.stream(r.decode.info.url, body, request_id, reply, ex.wants_usage, view)
             async for events in stream:
                 yield events
@@ -408,13 +426,13 @@ class Gateway:
             if slot_worker is not None:  # nothing to relay this round (a hidden tool call)
                 self.queues.release(slot_worker, r.task.task_id)
                 slot_worker = None
-            await self._record_round(ex.session, r, reply, route_kind, prefill_worker, dispatched.queued_s)
+            await self._record_round(ex.session, r, reply, route_kind, prefill_worker, times)
         finally:
             if slot_worker is not None:
                 self.queues.release(slot_worker, r.task.task_id)
 
     async def _record_round(
-        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str, queued_s: float
+        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str, times: RoundTimes
     ) -> None:
         """After a round: what the decode worker holds, the round's TTFT and ITL in the shared
         statistics, and its record for ``GET /v1/sessions/{id}``."""
@@ -426,15 +444,16 @@ class Gateway:
         decode_id = r.decode.info.worker_id
         ttft_series = ("ttft", prefill_worker) if route_kind == "remote" else ("ttft_local", decode_id)
         observations = [(*ttft_series, reply.ttft_s or 0.0, 1 if reply.ttft_s is not None else 0)]
-        observations.append(("itl", decode_id, reply.gaps_s, reply.gaps))
+        observations.append(("itl", decode_id, sum(reply.itl), len(reply.itl)))
         kind = "incremental" if r.task.incremental else "initial"
         record = {
             "round": session.rounds, "kind": kind, "route": route_kind,
             "prefill_worker": prefill_worker if route_kind == "remote" else None, "decode_worker": decode_id,
             "reason": r.route.reason, "l_hist": r.task.l_hist, "l_incr": r.task.l_incr,
-            "queue_wait_s": queued_s, "ttft_s": reply.ttft_s, "mean_itl_s": reply.mean_itl_s,
+            "queue_wait_s": times.queued_s, "ttft_s": reply.ttft_s, "mean_itl_s": reply.mean_itl_s,
             "completion_tokens": int(usage.get("completion_tokens", 0)), "started_at": r.task.created_at,
         }  # fmt: skip
+        self._trace_round(session, r, reply, route_kind, prefill_worker, times)
         async with self.redis.pipeline(transaction=False) as pipe:
             self.stats.record(pipe, observations)
             self.sessions.record_round(pipe, session, record)
@@ -443,6 +462,34 @@ class Gateway:
             self.metrics.ttft.labels(kind).observe(reply.ttft_s)
         if reply.mean_itl_s is not None:
             self.metrics.itl.observe(reply.mean_itl_s)
+
+    def _trace_round(
+        self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str, times: RoundTimes
+    ) -> None:
+        """The round's spans (gateway.tracing), under the session's span."""
+        end = reply.last_token_at or time.time()
+        first = reply.first_token_at or end
+        if not session.trace_id:
+            started = session.created or r.task.created_at
+            session.trace_id, session.span_id = self.tracer.session(session.session_id, session.scope, started, end)
+        task, decode_id = r.task, r.decode.info.worker_id
+        worker = prefill_worker if route_kind == "remote" else decode_id
+        prefill = {"ampd.route": route_kind, "ampd.worker": worker, "ampd.l_hist": task.l_hist,
+                   "ampd.l_incr": task.l_incr}  # fmt: skip
+        phases = [("queue_wait", times.queued_at, times.dispatched_at, {"ampd.worker": r.route.worker_id})]
+        if route_kind == "remote" and times.prefilled_at is not None:
+            phases.append(("prefill", times.dispatched_at, times.prefilled_at, prefill))
+            phases.append(("kv_transfer", times.decode_sent_at, first, {"ampd.from": worker, "ampd.to": decode_id}))
+        else:
+            phases.append(("prefill", times.decode_sent_at, first, prefill))
+        tokens = int((reply.usage or {}).get("completion_tokens", 0))
+        decode = {"ampd.worker": decode_id, "ampd.tokens": tokens, "ampd.ttft_s": reply.ttft_s or 0.0,
+                  "ampd.itl_mean_s": reply.mean_itl_s or 0.0, "ampd.itl_p95_s": reply.p95_itl_s or 0.0}  # fmt: skip
+        phases.append(("decode", first, end, decode))
+        attributes = {"ampd.session.id": session.session_id, "ampd.round": session.rounds,
+                      "ampd.kind": "incremental" if task.incremental else "initial", "ampd.route": route_kind,
+                      "ampd.reason": r.route.reason}  # fmt: skip
+        self.tracer.round((session.trace_id, session.span_id), task.created_at, end, attributes, phases)
 
     async def _close(self, ex: Exchange, client: Reply) -> None:
         """Remember the exchange: the conversation the client now holds, and - when it

@@ -41,6 +41,8 @@ class Session:
     conversation_len: int = 0  # messages in the conversation the client holds
     conversation_hash: str = ""  # conversation_hashes(...)[-1] of that conversation
     has_transcript: bool = False  # the engine holds more than the client sees (server tool rounds)
+    trace_id: str = ""  # the session's span (gateway.tracing), parent of its rounds' spans
+    span_id: str = ""
 
 
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -118,6 +120,8 @@ class SessionStore:
             conversation_len=int(fields["conversation_len"]),
             conversation_hash=fields["conversation_hash"],
             has_transcript=fields["has_transcript"] == "1",
+            trace_id=fields.get("trace_id", ""),
+            span_id=fields.get("span_id", ""),
         )
 
     def _transcript(self, scope: str, session_id: str) -> str:

@@ -56,8 +56,7 @@ class Reply:
     started: float  # when the round's TTFT clock started
     first_token_at: float | None = None
     last_token_at: float | None = None
-    gaps_s: float = 0.0  # sum of inter-token gaps
-    gaps: int = 0
+    itl: list[float] = field(default_factory=list)  # every inter-token gap, in order
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -70,7 +69,11 @@ class Reply:
 
     @property
     def mean_itl_s(self) -> float | None:
-        return self.gaps_s / self.gaps if self.gaps else None
+        return sum(self.itl) / len(self.itl) if self.itl else None
+
+    @property
+    def p95_itl_s(self) -> float | None:
+        return sorted(self.itl)[int(0.95 * (len(self.itl) - 1))] if self.itl else None
 
     def observe(self, chunk: dict[str, Any], now: float) -> bool:
         """Take one chunk into account; False for the usage-only chunk, True otherwise."""
@@ -82,8 +85,7 @@ class Reply:
         if self.first_token_at is None:
             self.first_token_at = now
         else:
-            self.gaps_s += now - (self.last_token_at or now)
-            self.gaps += 1
+            self.itl.append(now - (self.last_token_at or now))
         self.last_token_at = now
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
