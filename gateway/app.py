@@ -538,6 +538,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        with contextlib.suppress(aioredis.RedisError, OSError):  # a Redis outage must not hide the rest
+            gateway.metrics.sessions_active.set(await gateway.sessions.active())
         return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

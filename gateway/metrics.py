@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,9 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
+        self.sessions_active = Gauge(
+            "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r
+        )
         self.decision = Histogram(
             "ampd_routing_decision_seconds",
             "Time the routing policy itself took (no I/O).",

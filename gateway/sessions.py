@@ -25,6 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 MAX_ROUND_RECORDS = 1000
+ACTIVE_WINDOW_S = 300  # a session with an exchange this recent counts as active (agents wait on tools)
 
 
 @dataclass
@@ -151,6 +152,15 @@ class SessionStore:
             pipe.delete(self._transcript(session.scope, session.session_id))
         if not session.explicit_id:
             pipe.set(self._conversation(session.scope, session.conversation_hash), session.session_id, ex=self.ttl_s)
+        pipe.zadd(f"{self.p}:active", {f"{session.scope}:{session.session_id}": time.time()})
+
+    async def active(self) -> int:
+        """Sessions, across all replicas, with an exchange in the last ACTIVE_WINDOW_S."""
+        key = f"{self.p}:active"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(key, "-inf", time.time() - ACTIVE_WINDOW_S)
+            pipe.zcard(key)
+            return int((await pipe.execute())[1])
 
     def _rounds(self, scope: str, session_id: str) -> str:
         return f"{self.p}:rounds:{scope}:{session_id}"

@@ -158,6 +158,9 @@ def test_every_round_of_a_session_can_be_read_back_by_its_key_only(stack):
     command = [sys.executable, "-m", "ampd.cli", "sessions", "show", session_id, "--gateway", stack.url]
     shown = subprocess.run(command, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert shown.returncode == 0 and "incremental" in shown.stdout, shown.stdout + shown.stderr
+    active = [line for line in httpx.get(f"{stack.url}/metrics").text.splitlines()
+              if line.startswith("ampd_sessions_active ")]  # fmt: skip
+    assert active and float(active[0].split()[-1]) >= 1
     # Another tenant (another key) cannot see it: not found, not forbidden - the id space is per key.
     keyed = stack.add_gateway("--api-key", "sk-other")
     other = httpx.get(f"{keyed.url}/v1/sessions/{session_id}", headers={"Authorization": "Bearer sk-other"})
