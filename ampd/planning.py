@@ -15,6 +15,8 @@ from rich.table import Table
 from planner.catalog import GPUS, MODELS
 from planner.slo import DEFAULT_SCALE, SLO
 
+ModelOption = Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")]
+ProfilesOption = Annotated[list[Path] | None, typer.Option(help="measured profile files instead of derived ones")]
 trace_app = typer.Typer(help="Multi-round workload traces (JSONL).", no_args_is_help=True)
 console = Console()
 
@@ -102,14 +104,12 @@ def report_table(reports) -> Table:
 
 def simulate_command(
     trace: Annotated[Path, typer.Option(help="JSONL trace (`ampd trace generate`)")],
-    model: Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")] = "llama-3.1-70b",
+    model: ModelOption = "llama-3.1-70b",
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
     prefill: Annotated[str | None, typer.Option(help="prefill pool TPxDP, e.g. 4x1; none for colocated")] = "4x1",
     decode: Annotated[str, typer.Option(help="decode pool TPxDP")] = "4x1",
     policy: Annotated[str, typer.Option(help="ampd, disagg, coloc, continuum, ampd-routing-only, ...")] = "ampd",
-    profile: Annotated[
-        list[Path] | None, typer.Option(help="measured profile files to use instead of derived ones")
-    ] = None,
+    profile: ProfilesOption = None,
     slo_scale: float = DEFAULT_SCALE,
     ttft_slo_s: float | None = None,
     itl_slo_s: float | None = None,
@@ -153,11 +153,9 @@ def plan_command(
     trace: Annotated[Path, typer.Option(help="JSONL trace the deployment must serve")],
     gpus: Annotated[str, typer.Option(help="GPUs: a count of --gpu-type, or TYPE=N,TYPE=N")] = "8",
     gpu_type: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
-    model: Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")] = "llama-3.1-70b",
+    model: ModelOption = "llama-3.1-70b",
     policy: Annotated[str, typer.Option(help="the policy the deployment will run")] = "ampd",
-    profile: Annotated[
-        list[Path] | None, typer.Option(help="measured profile files to use instead of derived ones")
-    ] = None,
+    profile: ProfilesOption = None,
     slo_scale: float = DEFAULT_SCALE,
     ttft_slo_s: float | None = None,
     itl_slo_s: float | None = None,

@@ -60,6 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rich.table import Table
 from scipy.optimize import nnls
 
+from gateway.upstream import NIXL_PREFILL
 from planner.memory import MemoryPlan
 from planner.memory import kv_capacity_tokens as modelled_kv_capacity
 from planner.piecewise import Piece, PiecewiseLinear, fit_piecewise
@@ -68,16 +69,6 @@ from planner.specs import GPUSpec, ModelSpec
 
 Progress = Callable[[str], None]
 Clock = Literal["client", "engine"]  # whose clock times a first token (see _Target.first_token)
-
-# The prefill half of vLLM's NixlConnector hand-off (as gateway.upstream.NIXL_PREFILL).
-NIXL_PREFILL: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 # Random prompt tokens come from this id range: ordinary tokens in every catalogued
 # vocabulary (>= 32000 entries), never the low special ids.
