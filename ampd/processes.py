@@ -31,13 +31,28 @@ class Child:
             self.process.kill()
 
 
-def spawn(name: str, port: int, command: Sequence[str], log: Path | None = None, cpu: int | None = None) -> Child:
+def spawn(
+    name: str,
+    port: int,
+    command: Sequence[str],
+    log: Path | None = None,
+    cpu: int | None = None,
+    env: dict[str, str] | None = None,
+    niceness: int = 0,
+) -> Child:
     """`ampd *command` (which must serve HTTP on ``port``) in a child process, pinned to
-    ``cpu`` if given, its output appended to ``log``."""
+    ``cpu`` if given, ``niceness`` lower in priority, its output appended to ``log``,
+    with ``env`` added to ours."""
     output = log.open("ab") if log is not None else subprocess.DEVNULL
-    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
+
+    def prepare() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        os.nice(niceness)
+
     argv = [sys.executable, "-m", "ampd.cli", *command]
-    process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=pin)
+    environment = {**os.environ, **env} if env else None
+    process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=prepare, env=environment)
     return Child(name, f"http://127.0.0.1:{port}", process)
 
 

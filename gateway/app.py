@@ -265,8 +265,8 @@ class Gateway:
 
     def _bind(self, session: Session | None, scope: str, explicit: str | None, model: str, l_total: int) -> Session:
         """AMPD step 1 for new sessions, and re-binding for sessions whose worker is gone
-        (their next round prefills the whole history on the new worker)."""
-        if session is not None and self.pool.get(session.decode_worker) is not None:
+        or draining (their next round prefills the whole history on the new worker)."""
+        if session is not None and self.pool.serving(session.decode_worker) is not None:
             return session
         candidates = [
             DecodeCandidate(w.info.worker_id, w.load.kv_usage, w.info.kv_capacity_tokens, w.pending_tokens)

@@ -2,7 +2,9 @@
 
 Refreshed in the background: the registry's live workers plus the statically
 configured ones, each scraped (``/metrics``) for KV usage and queue lengths. A worker
-that does not answer its scrape is left out of routing and binding until it does.
+that does not answer its scrape is left out of routing and binding until it does; a
+draining one stays reachable (``get``) for the streams it serves, but is offered for
+no new session or round.
 """
 
 from __future__ import annotations
@@ -71,14 +73,19 @@ class WorkerPool:
         return sorted({w.info.model for w in self.workers.values()})
 
     def decoders(self, model: str) -> list[LiveWorker]:
-        return [w for w in self.workers.values() if w.info.model == model and w.info.decodes]
+        return [w for w in self.workers.values() if w.info.model == model and w.info.decodes and not w.info.draining]
 
     def prefillers(self, model: str, exclude: str) -> list[LiveWorker]:
         return [
             w
             for w in self.workers.values()
-            if w.info.model == model and w.info.prefills and w.info.worker_id != exclude
+            if w.info.model == model and w.info.prefills and not w.info.draining and w.info.worker_id != exclude
         ]
 
     def get(self, worker_id: str) -> LiveWorker | None:
         return self.workers.get(worker_id)
+
+    def serving(self, worker_id: str) -> LiveWorker | None:
+        """The worker if it takes new rounds (live and not draining)."""
+        worker = self.workers.get(worker_id)
+        return None if worker is None or worker.info.draining else worker

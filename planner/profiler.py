@@ -66,6 +66,7 @@ from planner.memory import kv_capacity_tokens as modelled_kv_capacity
 from planner.piecewise import Piece, PiecewiseLinear, fit_piecewise
 from planner.profile import CostPieces, Profile
 from planner.specs import GPUSpec, ModelSpec
+from workers.vllm.launch import cache_config
 
 Progress = Callable[[str], None]
 Clock = Literal["client", "engine"]  # whose clock times a first token (see _Target.first_token)
@@ -647,13 +648,10 @@ async def _kv_capacity(t: _Target, rng: random.Random, max_model_len: int) -> tu
     reads ``vllm:kv_cache_usage_perc``: capacity = tokens / usage, within a block.
     """
     response = await t.client.get(f"{t.url}/metrics", timeout=10)
-    if response.status_code == 200:
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                if sample.name.startswith("vllm:cache_config_info"):
-                    blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
-                    if blocks not in (None, "", "None") and size not in (None, "", "None"):
-                        return int(blocks) * int(size), int(size), "vllm:cache_config_info"
+    found = cache_config(response.text) if response.status_code == 200 else None
+    if found is not None:
+        blocks, size = found
+        return blocks * size, size, "vllm:cache_config_info"
     held = min(8192, max_model_len // 2)
     usage = await _usage_while_holding(t, _tokens(rng, held))
     if usage is None or usage <= 0:

@@ -16,15 +16,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
+from workers.vllm.launch import cache_config
 
 
 @dataclass
 class Engine:
-    """An engine under test, reached only over HTTP (sim worker now, vLLM later)."""
+    """An engine under test, reached only over HTTP (a GPU-free worker or vLLM)."""
 
     url: str
     model: str
     child: Child | None = None
+    kind: str = "sim"  # or "vllm": where the two differ on purpose, tests say so
+
+    @property
+    def block_size(self) -> int:
+        found = cache_config(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        assert found is not None, "the engine exports no vllm:cache_config_info"
+        return found[1]
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by name plus sorted labels (model/engine dropped)."""

@@ -8,6 +8,7 @@ Tests that rely on the sim's ``sim_script`` say so in their name.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -28,7 +29,8 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def post(engine: Engine, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(f"{engine.url}{path}", json={"model": engine.model, **body}, timeout=60, **kw)
+    # vLLM's CPU build under NIXL makes a token in about 0.25 s on two cores: be patient.
+    return httpx.post(f"{engine.url}{path}", json={"model": engine.model, **body}, timeout=240, **kw)
 
 
 def chat(engine: Engine, **body) -> httpx.Response:
@@ -86,7 +88,10 @@ def test_tokenize_agrees_with_usage(engine: Engine):
 
 
 def test_tool_call_streams_as_deltas(engine: Engine):
-    events = sse_events(chat(engine, messages=USER, tools=[WEATHER], stream=True, seed=2))
+    """A call forced with tool_choice "required" (a random-weight vLLM model would not
+    choose one), streamed as vLLM streams it."""
+    forced = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 96, "seed": 2}
+    events = sse_events(chat(engine, messages=USER, stream=True, **forced))
     chunks = [e for e in events if e != "[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
@@ -96,27 +101,30 @@ def test_tool_call_streams_as_deltas(engine: Engine):
     assert all(set(tc) == {"index", "function"} for tc in calls[1:])
     arguments = "".join(tc["function"].get("arguments", "") for tc in calls)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    whole = chat(engine, messages=USER, tools=[WEATHER], seed=2).json()["choices"][0]
+    whole = chat(engine, messages=USER, **forced).json()["choices"][0]
     assert whole["finish_reason"] == "tool_calls"
     (call,) = whole["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == json.loads(
         arguments
     )
-    assert "city" in json.loads(arguments)
 
 
 def test_openai_sdk_runs_a_multi_round_tool_session(engine: Engine):
     """An agent loop written against the OpenAI SDK works unchanged."""
     client = openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused")
     messages: list = [{"role": "user", "content": "Weather in Paris and Rome?"}]
-    first = client.chat.completions.create(model=engine.model, messages=messages, tools=[WEATHER])
+    first = client.chat.completions.create(
+        model=engine.model, messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=96
+    )
     call = first.choices[0].message.tool_calls[0]
     assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     messages += [
         first.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "18 C, cloudy"},
     ]
-    stream = client.chat.completions.create(model=engine.model, messages=messages, tools=[WEATHER], stream=True)
+    stream = client.chat.completions.create(
+        model=engine.model, messages=messages, tools=[WEATHER], stream=True, max_tokens=8
+    )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert "".join(pieces).strip()
 
@@ -175,10 +183,8 @@ def test_metrics_use_vllm_names(engine: Engine):
     ("path", "body", "status", "param"),
     [
         ("/v1/chat/completions", {"model": "no-such-model", "messages": USER}, 404, "model"),
-        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": []}, 400, None),
         ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**9}, 400, "max_tokens"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 40_000}]}, 400, "input_tokens"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ],
 )
@@ -188,6 +194,21 @@ def test_errors_have_openai_shape(engine: Engine, path, body, status, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == status and error["param"] == param and error["message"]
+
+
+def test_prompt_length_is_checked_in_chars_then_tokens(engine: Engine):
+    """vLLM refuses a prompt longer in characters than the context could hold before
+    tokenizing it (``input_text``), and then one longer in tokens (``input_tokens``)."""
+    limit = httpx.get(f"{engine.url}/v1/models").json()["data"][0]["max_model_len"]
+    for words, param in ((limit * 64 // 5 + 1, "input_text"), (limit + 8, "input_tokens")):
+        response = chat(engine, messages=[{"role": "user", "content": "word " * words}], max_tokens=1)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_any_role_the_template_renders_is_accepted(engine: Engine):
+    """vLLM takes custom roles (its chat template decides); OpenAI's API would refuse them."""
+    response = chat(engine, messages=[{"role": "robot", "content": "beep"}], max_tokens=3)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
 def test_malformed_json_is_a_400(engine: Engine):
@@ -208,21 +229,18 @@ def test_client_disconnect_aborts_and_frees_kv(engine: Engine):
         lines = response.iter_lines()
         for _ in range(3):
             next(lines)
-    after = None
-    for _ in range(50):
-        after = engine.metrics()
-        if (
-            after['vllm:request_success_total{"finished_reason": "abort"}']
-            > before['vllm:request_success_total{"finished_reason": "abort"}']
-        ):
-            break
-        httpx.get(f"{engine.url}/health")
-    assert (
-        after['vllm:request_success_total{"finished_reason": "abort"}']
-        == before['vllm:request_success_total{"finished_reason": "abort"}'] + 1
-    )
-    assert after["vllm:num_requests_running"] == 0
+    deadline = time.monotonic() + 30
+    while (after := engine.metrics())["vllm:num_requests_running"] > 0:
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    settled = engine.metrics()
+    generated = settled["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 1 <= generated < 2000 and settled["vllm:generation_tokens_total"] == after["vllm:generation_tokens_total"]
     assert after["vllm:kv_cache_usage_perc"] == pytest.approx(before["vllm:kv_cache_usage_perc"])
+    # vLLM 0.32 does not count a request its client dropped as finished (no "abort" sample).
+    abort = 'vllm:request_success_total{"finished_reason": "abort"}'
+    assert after[abort] == before[abort]
 
 
 # -- prefill/decode hand-off ---------------------------------------------------------
@@ -230,11 +248,11 @@ def test_client_disconnect_aborts_and_frees_kv(engine: Engine):
 NIXL_PARAMS = NIXL_PREFILL  # what vLLM's disaggregation proxy sends to the prefill engine
 
 
-def handoff(prefill: Engine, decode: Engine, messages: list, **extra) -> tuple[dict, dict]:
+def handoff(prefill: Engine, decode: Engine, messages: list, max_tokens: int, **extra) -> tuple[dict, dict]:
     """vLLM's disaggregation proxy: prefill with max_tokens 1, then decode with its params."""
     first = chat(prefill, messages=messages, max_tokens=1, kv_transfer_params=NIXL_PARAMS, **extra).json()
     params = first["kv_transfer_params"]
-    second = chat(decode, messages=messages, kv_transfer_params=params, **extra).json()
+    second = chat(decode, messages=messages, kv_transfer_params=params, max_tokens=max_tokens, **extra).json()
     return params, second
 
 
@@ -247,48 +265,59 @@ def test_prefill_returns_nixl_transfer_params(pd_pair):
         assert params[key] not in (None, "", []), key
     assert params["remote_num_tokens"] == body["usage"]["prompt_tokens"]
     blocks = params["remote_block_ids"][0]
-    assert len(blocks) == -(-body["usage"]["prompt_tokens"] // 16)
+    assert len(blocks) == -(-body["usage"]["prompt_tokens"] // prefill.block_size)
 
 
 def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
     prefill, decode = pd_pair
+    block = decode.block_size
     messages = [
         {"role": "system", "content": "You are a careful agent. " * 20},
         {"role": "user", "content": "Plan a trip to Paris."},
     ]
 
     def pulled_and_hit(before: dict, after: dict) -> tuple[float, float]:
+        """NIXL descriptors read (one per block and KV region) and prefix-cache hits."""
         pulled = after["vllm:nixl_num_descriptors_sum"] - before["vllm:nixl_num_descriptors_sum"]
         return pulled, after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
 
     before = decode.metrics()
-    params1, reply1 = handoff(prefill, decode, messages, tools=[WEATHER])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    params1, reply1 = handoff(prefill, decode, messages, 96, tools=[WEATHER], tool_choice=named, seed=1)
     mid = decode.metrics()
     pulled1, hit1 = pulled_and_hit(before, mid)
     assert mid["vllm:nixl_xfer_time_seconds_count"] == before["vllm:nixl_xfer_time_seconds_count"] + 1
-    assert pulled1 == len(params1["remote_block_ids"][0]) - hit1 // 16
-    message = reply1["choices"][0]["message"]
-    assert message["tool_calls"], "round 1 should call the tool"
-
-    messages = messages + [
-        message,
-        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "Sunny, 24 C. " * 10},
-    ]
-    params2, reply2 = handoff(prefill, decode, messages, tools=[WEATHER])
+    missing1 = len(params1["remote_block_ids"][0]) - hit1 // block  # blocks the decoder lacked
+    assert missing1 > 0 and pulled1 % missing1 == 0
+    regions = pulled1 // missing1  # descriptors per block: the engine's KV layout
+    message = {k: v for k, v in reply1["choices"][0]["message"].items() if v is not None}
+    if message.get("tool_calls"):
+        result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "Sunny, 24 C. " * 10}
+    else:  # a random-weight vLLM model may run out of tokens inside the forced call's JSON
+        assert decode.kind == "vllm", "round 1 should call the tool"
+        result = {"role": "user", "content": "Sunny, 24 C. " * 10}
+    messages = messages + [message, result]
+    params2, reply2 = handoff(prefill, decode, messages, 8, tools=[WEATHER], tool_choice="none")
     pulled2, hit2 = pulled_and_hit(mid, decode.metrics())
     # Round 1's prompt (and output) are cached on the decoder: it pulls only the rest.
-    assert hit2 >= (params1["remote_num_tokens"] // 16) * 16 > hit1
-    assert pulled2 == len(params2["remote_block_ids"][0]) - hit2 // 16
-    assert 0 < pulled2 < pulled1
-    assert reply2["choices"][0]["finish_reason"] == "stop"
+    assert hit2 >= (params1["remote_num_tokens"] // block) * block > hit1
+    assert pulled2 == (len(params2["remote_block_ids"][0]) - hit2 // block) * regions > 0
+    assert reply2["choices"][0]["finish_reason"] in ("stop", "length")
     assert reply2["usage"]["prompt_tokens"] == params2["remote_num_tokens"]
 
 
-def test_transfer_params_for_unknown_blocks_fail_cleanly(pd_pair):
+def test_stale_transfer_params_leave_the_decoder_healthy(pd_pair):
+    """Transfer params whose blocks were already pulled (and released). vLLM reads the
+    remote blocks over NIXL without checking what they now hold: 200, with whatever KV
+    the memory has. The GPU-free engine checks block contents against the prompt and
+    fails the load (500, its default policy). Either way the engine keeps serving."""
     prefill, decode = pd_pair
     params = chat(prefill, messages=USER, max_tokens=1, kv_transfer_params=NIXL_PARAMS).json()["kv_transfer_params"]
-    chat(decode, messages=USER, kv_transfer_params=params)  # consumes the held blocks
-    again = chat(decode, messages=[{"role": "user", "content": "other prompt entirely"}], kv_transfer_params=params)
-    assert again.status_code == 500
-    assert again.json()["error"]["type"] == "InternalServerError"
+    chat(decode, messages=USER, kv_transfer_params=params, max_tokens=4)  # consumes the held blocks
+    other = [{"role": "user", "content": "other prompt entirely"}]
+    again = chat(decode, messages=other, kv_transfer_params=params, max_tokens=4)
+    if decode.kind == "vllm":
+        assert again.status_code == 200
+    else:
+        assert again.status_code == 500 and again.json()["error"]["type"] == "InternalServerError"
     assert chat(decode, messages=USER, max_tokens=3).status_code == 200  # the engine is fine

@@ -3,7 +3,9 @@
 A worker (GPU-free or vLLM) writes one hash, ``{prefix}:worker:{id}``, with its role,
 address, model, profile and KV capacity, and keeps it alive by refreshing a TTL; a
 worker that stops heartbeating drops out when the TTL lapses. Gateways list the
-live ones. Statically configured workers never touch Redis (see gateway.config).
+live ones. A worker that is shutting down marks itself ``draining``: gateways bind no
+new session to it and send it no new round, while the streams it serves finish.
+Statically configured workers never touch Redis (see gateway.config).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import asdict, dataclass
+import socket
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import redis.asyncio as aioredis
@@ -34,6 +37,7 @@ class WorkerInfo:
     profile: Profile
     speed: float = 1.0
     kv_capacity_tokens: int = 0
+    draining: bool = False
 
     @property
     def decodes(self) -> bool:
@@ -58,7 +62,16 @@ class WorkerInfo:
             profile=Profile.model_validate(json.loads(fields["profile"])),
             speed=float(fields["speed"]),
             kv_capacity_tokens=int(fields["kv_capacity_tokens"]),
+            draining=fields.get("draining") == "True",
         )
+
+
+def reachable_host(listen_host: str) -> str:
+    """The address peers should use for a server listening on ``listen_host``: itself,
+    unless that is a wildcard, then this machine's own (a container's, under compose)."""
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host
+    return socket.gethostbyname(socket.gethostname())
 
 
 def _key(prefix: str, worker_id: str) -> str:
@@ -99,19 +112,32 @@ async def live_workers(redis: aioredis.Redis, prefix: str) -> list[WorkerInfo]:
     return [WorkerInfo.from_redis(fields) for fields in records if fields]
 
 
-async def heartbeat(redis: aioredis.Redis, prefix: str, info: WorkerInfo, ttl_s: float = HEARTBEAT_TTL_S) -> None:
-    """Register, then keep the registration alive until cancelled; deregister on the way out.
+class Registration:
+    """A worker's entry, kept alive by ``run`` until cancelled and removed on the way out.
 
     Redis being away is logged and retried: the worker keeps serving, and its entry
     comes back with the next heartbeat that reaches Redis.
     """
-    try:
-        while True:
-            try:
-                await register(redis, prefix, info, ttl_s)
-            except (aioredis.RedisError, OSError) as exc:
-                log.warning("heartbeat to Redis failed: %s", exc)
-            await asyncio.sleep(ttl_s / 3)
-    finally:
-        with contextlib.suppress(aioredis.RedisError, OSError):
-            await asyncio.shield(deregister(redis, prefix, info.worker_id))
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, info: WorkerInfo, ttl_s: float = HEARTBEAT_TTL_S) -> None:
+        self.redis, self.prefix, self.info, self.ttl_s = redis, prefix, info, ttl_s
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._beat()
+                await asyncio.sleep(self.ttl_s / 3)
+        finally:
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await asyncio.shield(deregister(self.redis, self.prefix, self.info.worker_id))
+
+    async def drain(self) -> None:
+        """Announce now, not at the next beat, that this worker takes no new work."""
+        self.info = replace(self.info, draining=True)
+        await self._beat()
+
+    async def _beat(self) -> None:
+        try:
+            await register(self.redis, self.prefix, self.info, self.ttl_s)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("heartbeat to Redis failed: %s", exc)

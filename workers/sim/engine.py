@@ -100,9 +100,10 @@ class AsyncEngine:
         return stream
 
     def abort(self, request_id: str) -> None:
-        stream = self.streams.pop(request_id, None)
-        if stream is not None and self.scheduler.abort(request_id) is not None:
-            self.metrics.request_success["abort"].inc()
+        """A client went away. vLLM 0.32 frees the request without counting it in
+        ``vllm:request_success_total`` (its ``abort`` series stays at 0)."""
+        if self.streams.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
         self._wake.set()
 
     # -- the loop ------------------------------------------------------------------
@@ -205,7 +206,8 @@ class AsyncEngine:
             return
         self.metrics.nixl_xfer_time.observe(loop.time() - started)
         self.metrics.nixl_bytes.observe(load.num_tokens * self.profile.model.kv_bytes_per_token)
-        self.metrics.nixl_descriptors.observe(len(load.remote_block_ids))
+        # One descriptor per block and KV region; vLLM's NIXL layout (LBHNC) has a region per layer.
+        self.metrics.nixl_descriptors.observe(len(load.remote_block_ids) * self.profile.model.num_layers)
         stream = self.streams.get(request.request_id)
         if stream is not None:
             stream.pulled_tokens = load.num_tokens

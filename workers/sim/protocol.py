@@ -45,7 +45,7 @@ class StreamOptions(BaseModel):
 
 
 class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    role: str  # vLLM renders any role its chat template takes (a custom message), not only OpenAI's
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -86,7 +86,7 @@ class _Generation(_Request):
 
 
 class ChatCompletionRequest(_Generation):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None

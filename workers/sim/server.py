@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from planner.profile import Profile
-from workers.registry import Role, WorkerInfo, heartbeat
+from workers.registry import Registration, Role, WorkerInfo
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
 from workers.sim.kv_transfer import KVSideChannel
@@ -34,6 +34,10 @@ from workers.sim.request import Request as EngineRequest
 from workers.sim.responder import Length, Reply, Responder, ScriptError
 from workers.sim.scheduler import Scheduler, SchedulerConfig
 from workers.sim.tokenizer import BOS, Tokenizer, render_chat
+
+# vLLM bounds characters per token by its vocabulary's longest token; the sim's pieces
+# are words of any length, so it takes a bound real text stays far below.
+MAX_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -96,15 +100,31 @@ class SimWorker:
                 "model",
             )
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """vLLM 0.32's check before tokenizing (vllm/renderers/params.py): a prompt longer
+        in characters than max_model_len tokens could ever hold is refused unread."""
+        limit, chars = self.max_model_len, self.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > chars:
+            raise p.EngineError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+                f"{len(text)} characters (more than {chars} characters, which is the upper bound for {limit} "
+                f"input tokens). Please reduce the length of the input prompt. "
+                f"(parameter=input_text, value={len(text)})",
+                param="input_text",
+            )
+        return self.tokenizer.encode(text)
+
     def max_tokens_for(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """vLLM's length rules: reject an over-long prompt, clamp max_tokens to the context."""
+        """vLLM's length rules: reject an over-long prompt, clamp max_tokens to the context.
+        vLLM stops tokenizing one token past the limit, hence "at least"."""
         limit = self.max_model_len
         if prompt_len > limit:
             raise p.EngineError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt contains "
-                f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. "
-                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={prompt_len})",
+                f"at least {limit + 1} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={limit + 1})",
                 param="input_tokens",
             )
         if requested is not None and requested > limit:
@@ -281,8 +301,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         w.check_model(body.model)
         _reject_unsupported(body.n, body.logprobs)
         messages, tools = _messages(body.messages), _tools(body.tools)
-        prompt_text = render_chat(messages, tools, body.add_generation_prompt)
-        prompt_ids = w.tokenizer.encode(prompt_text)
+        prompt_ids = w.encode_prompt(render_chat(messages, tools, body.add_generation_prompt))
         requested, param = body.requested_max_tokens
         length = _length(body, w.max_tokens_for(len(prompt_ids), requested, param))
         try:
@@ -373,7 +392,7 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
         speed=config.speed,
         kv_capacity_tokens=w.scheduler.kv.num_blocks * w.scheduler.kv.block_size,
     )
-    beat = asyncio.create_task(heartbeat(redis, config.redis_prefix, info))
+    beat = asyncio.create_task(Registration(redis, config.redis_prefix, info).run())
     try:
         yield
     finally:
@@ -427,6 +446,8 @@ def _reject_unsupported(n: int, logprobs: bool) -> None:
 
 
 def _messages(messages: list[p.Message]) -> list[dict[str, Any]]:
+    if not messages:  # vLLM's words, and no param
+        raise p.EngineError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
@@ -441,7 +462,7 @@ def _completion_prompt(w: SimWorker, body: p.CompletionRequest) -> tuple[str, li
             raise p.EngineError(400, "the GPU-free engine takes one prompt per request", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt, w.tokenizer.encode(BOS + prompt)
+        return prompt, w.encode_prompt(BOS + prompt)
     if not prompt or any(not 0 <= t < w.tokenizer.vocab_size for t in prompt):
         raise p.EngineError(400, "prompt token ids must be non-empty and inside the vocabulary", param="prompt")
     return " ".join(map(str, prompt)), list(prompt)

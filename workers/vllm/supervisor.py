@@ -1,0 +1,133 @@
+"""`ampd worker vllm`: a vLLM engine under a supervisor that registers it, heartbeats,
+and drains it on SIGTERM.
+
+The supervisor starts vLLM's OpenAI server (workers.vllm.launch), and only once the
+engine answers ``/health`` and lists its model does it register in the worker
+registry: registration is the worker's readiness. On SIGTERM or SIGINT it marks the
+entry draining (gateways bind no new session and send no new round to it), waits
+until the engine has no request running or waiting, deregisters, and only then stops
+the engine. If the engine dies, the entry goes at once, not when its TTL lapses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+
+import httpx
+import redis.asyncio as aioredis
+
+from gateway.upstream import parse_load
+from planner.profile import Profile
+from workers.registry import Registration, WorkerInfo
+from workers.vllm.launch import VllmLaunch, cache_config, server_argv, server_env
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+async def supervise(
+    launch: VllmLaunch,
+    profile: Profile,
+    redis_url: str,
+    prefix: str,
+    ready_timeout_s: float = 600.0,
+    drain_grace_s: float = 3.0,
+    drain_timeout_s: float = 300.0,
+) -> int:
+    """Run the engine until it exits or a signal drains it; the exit status to return."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which drains first.
+    engine = await asyncio.create_subprocess_exec(
+        *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True
+    )
+    redis = aioredis.from_url(redis_url, decode_responses=True)
+    try:
+        async with httpx.AsyncClient(base_url=launch.url, timeout=10.0) as http:
+            info = await _wait_ready(engine, http, launch, profile, stop, ready_timeout_s)
+            if info is None:
+                return 0 if stop.is_set() else 1
+            registration = Registration(redis, prefix, info)
+            beat = asyncio.create_task(registration.run())
+            log.info("%s ready at %s (KV %d tokens)", info.worker_id, info.url, info.kv_capacity_tokens)
+            exited, stopping = asyncio.create_task(engine.wait()), asyncio.create_task(stop.wait())
+            await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not exited.done():
+                await registration.drain()
+                await _wait_idle(http, drain_grace_s, drain_timeout_s)
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            if exited.done():
+                log.error("vLLM exited with status %s", engine.returncode)
+                return engine.returncode or 1
+            return 0
+    finally:
+        await _terminate(engine)
+        await redis.aclose()
+
+
+async def _wait_ready(
+    engine: asyncio.subprocess.Process,
+    http: httpx.AsyncClient,
+    launch: VllmLaunch,
+    profile: Profile,
+    stop: asyncio.Event,
+    timeout_s: float,
+) -> WorkerInfo | None:
+    """The registry entry, once the engine serves; None if it died, timed out or was stopped."""
+    deadline = time.monotonic() + timeout_s
+    while engine.returncode is None and not stop.is_set() and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            if (await http.get("/health")).status_code == 200:
+                models = [card["id"] for card in (await http.get("/v1/models")).json()["data"]]
+                if launch.model_name in models:
+                    blocks = cache_config((await http.get("/metrics")).text)
+                    capacity = blocks[0] * blocks[1] if blocks else profile.kv_capacity_tokens
+                    return WorkerInfo(
+                        launch.worker_id, launch.role, launch.url, launch.model_name, profile, 1.0, capacity
+                    )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POLL_S)
+    if engine.returncode is None and not stop.is_set():
+        log.error("vLLM did not serve %s within %.0f s", launch.model_name, timeout_s)
+    return None
+
+
+async def _wait_idle(http: httpx.AsyncClient, grace_s: float, timeout_s: float) -> None:
+    """Until nothing runs or waits on the engine, twice in a row. The grace first lets
+    every gateway see the draining mark (they re-read the registry about every second);
+    the second look covers a prefill whose KV a decode worker is about to pull."""
+    await asyncio.sleep(grace_s)
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:
+        try:
+            load = parse_load((await http.get("/metrics")).text)
+            quiet = quiet + 1 if load.running == 0 and load.waiting == 0 else 0
+        except httpx.HTTPError:
+            return  # the engine is gone: nothing left to drain
+        await asyncio.sleep(POLL_S)
+    if quiet < 2:
+        log.warning("drain timed out after %.0f s with requests still on the engine", timeout_s)
+
+
+async def _terminate(engine: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+    if engine.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(engine.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(engine.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, signal.SIGKILL)
+        await engine.wait()
