@@ -277,8 +277,8 @@ def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
     ]
 
     def pulled_and_hit(before: dict, after: dict) -> tuple[float, float]:
-        """NIXL descriptors read (one per block and KV region) and prefix-cache hits."""
-        pulled = after["vllm:nixl_num_descriptors_sum"] - before["vllm:nixl_num_descriptors_sum"]
+        """Bytes NIXL moved (whole blocks) and prefix-cache hits."""
+        pulled = after["vllm:nixl_bytes_transferred_sum"] - before["vllm:nixl_bytes_transferred_sum"]
         return pulled, after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
 
     before = decode.metrics()
@@ -289,7 +289,7 @@ def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
     assert mid["vllm:nixl_xfer_time_seconds_count"] == before["vllm:nixl_xfer_time_seconds_count"] + 1
     missing1 = len(params1["remote_block_ids"][0]) - hit1 // block  # blocks the decoder lacked
     assert missing1 > 0 and pulled1 % missing1 == 0
-    regions = pulled1 // missing1  # descriptors per block: the engine's KV layout
+    block_bytes = pulled1 // missing1
     message = {k: v for k, v in reply1["choices"][0]["message"].items() if v is not None}
     if message.get("tool_calls"):
         result = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "Sunny, 24 C. " * 10}
@@ -301,7 +301,7 @@ def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
     pulled2, hit2 = pulled_and_hit(mid, decode.metrics())
     # Round 1's prompt (and output) are cached on the decoder: it pulls only the rest.
     assert hit2 >= (params1["remote_num_tokens"] // block) * block > hit1
-    assert pulled2 == (len(params2["remote_block_ids"][0]) - hit2 // block) * regions > 0
+    assert pulled2 == (len(params2["remote_block_ids"][0]) - hit2 // block) * block_bytes > 0
     assert reply2["choices"][0]["finish_reason"] in ("stop", "length")
     assert reply2["usage"]["prompt_tokens"] == params2["remote_num_tokens"]
 

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from ampd.local_redis import free_port
+from planner.profile import DEFAULT_PROFILE, load_profile
 from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
@@ -176,17 +177,18 @@ def test_no_round_loses_its_kv(stack):
     session_id = f"kv-{uuid.uuid4().hex}"
     previous = None
     hits_before = decode.metrics()["vllm:prefix_cache_hits_total"]
-    pulled_before = decode.metrics()["vllm:nixl_num_descriptors_sum"]
+    pulled_before = decode.metrics()["vllm:nixl_bytes_transferred_sum"]
+    block_bytes = 16 * load_profile(DEFAULT_PROFILE).model.kv_bytes_per_token  # the stack's workers' profile
     for headers, usage, _ in agent_loop(client, 4, stream_every=10, session_id=session_id):
         after = decode.metrics()
         hit = after["vllm:prefix_cache_hits_total"] - hits_before
-        pulled_blocks = after["vllm:nixl_num_descriptors_sum"] - pulled_before
-        hits_before, pulled_before = after["vllm:prefix_cache_hits_total"], after["vllm:nixl_num_descriptors_sum"]
+        pulled_blocks = (after["vllm:nixl_bytes_transferred_sum"] - pulled_before) / block_bytes
+        hits_before, pulled_before = after["vllm:prefix_cache_hits_total"], after["vllm:nixl_bytes_transferred_sum"]
         if previous is not None:
             held = previous.prompt_tokens + previous.completion_tokens
             assert hit >= (held - 16) // 16 * 16, (headers["x-ampd-route"], hit, held)
             if headers["x-ampd-route"].startswith("remote"):
-                assert pulled_blocks <= -(-(usage.prompt_tokens - hit) // 16)
+                assert 0 < pulled_blocks <= -(-(usage.prompt_tokens - hit) // 16)
         previous = usage
     assert stack.session(session_id)["rounds"] == "4"
 

@@ -205,9 +205,12 @@ class AsyncEngine:
             self._load_failed(request, str(exc))
             return
         self.metrics.nixl_xfer_time.observe(loop.time() - started)
-        self.metrics.nixl_bytes.observe(load.num_tokens * self.profile.model.kv_bytes_per_token)
-        # One descriptor per block and KV region; vLLM's NIXL layout (LBHNC) has a region per layer.
-        self.metrics.nixl_descriptors.observe(len(load.remote_block_ids) * self.profile.model.num_layers)
+        # NIXL moves whole blocks, the last one's unused slots included. Descriptors: one per
+        # block and KV region (a region per layer in vLLM's LBHNC layout); vLLM merges
+        # blocks contiguous on both sides, so its count can be lower.
+        blocks = len(load.remote_block_ids)
+        self.metrics.nixl_bytes.observe(blocks * size * self.profile.model.kv_bytes_per_token)
+        self.metrics.nixl_descriptors.observe(blocks * self.profile.model.num_layers)
         stream = self.streams.get(request.request_id)
         if stream is not None:
             stream.pulled_tokens = load.num_tokens
