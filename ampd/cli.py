@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ampd.planning import plan_command, simulate_command, trace_app
+from ampd.planning import plan_command, simulate_command, sweep_command, trace_app
 from planner.catalog import GPUS, MODELS
 from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from workers.registry import reachable_host
@@ -27,6 +27,7 @@ sessions_app = typer.Typer(help="Sessions a gateway served.", no_args_is_help=Tr
 app.add_typer(sessions_app, name="sessions")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
+bench_app.command("sweep")(sweep_command)
 console = Console()
 
 

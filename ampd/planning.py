@@ -241,3 +241,45 @@ def _plan_json(result, checked) -> dict:
         "taus": [asdict(o) for o in result.options],
         "solve_s": result.solve_s,
     }
+
+
+def sweep_command(
+    workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
+    rates: Annotated[str, typer.Option(help="arrival rates, sessions/s, comma-separated")] = "0.3,0.45,0.6,0.75",
+    policies: Annotated[str, typer.Option(help="comma-separated")] = "ampd,disagg,coloc,continuum",
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    prefill: Annotated[str, typer.Option(help="prefill pool TPxDP of the disaggregated policies")] = "4x1",
+    decode: Annotated[str, typer.Option(help="decode pool TPxDP of the disaggregated policies")] = "4x1",
+    colocated: Annotated[str, typer.Option(help="the one pool TPxDP of coloc and continuum")] = "4x2",
+    profile: ProfilesOption = None,
+    sessions: Annotated[int, typer.Option(help="sessions per point")] = 400,
+    slo_scale: float = DEFAULT_SCALE,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results"),
+) -> None:
+    """SLO attainment against arrival rate per policy, simulated (the shape of the paper's Figure 4)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from ampd.bench_sweep import sweep, write
+    from planner.plan import parse_pool
+    from planner.simulator import Pool
+    from planner.trace import WORKLOADS
+
+    if workload not in WORKLOADS:
+        raise _fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    book = _book(model, profile)
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r]
+        pools = [Pool(book.get(gpu, tp), dp) for tp, dp in map(parse_pool, (prefill, decode, colocated))]
+        slo = _slo(book, gpu, slo_scale, None, None)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            points = sweep(WORKLOADS[workload], rate_list, policies.split(","), (pools[0], pools[1]), pools[2],
+                           slo, sessions, seed, progress)  # fmt: skip
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, "
+             f"SLO TTFT {_ms(slo.ttft_s)} / ITL {_ms(slo.itl_s)} (simulated)")  # fmt: skip
+    for path in write(points, out_dir, f"sweep_{workload}", title):
+        console.print(f"wrote {path}")
