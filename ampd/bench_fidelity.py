@@ -20,13 +20,13 @@ from rich.table import Table
 from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.replay import LiveRound, replay
+from ampd.stack import STATE_DIR
 from planner.profile import load_profile
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.slo import SLO, derived_slo
 from planner.trace import WORKLOADS, generate
 
 PREFIX = "ampd-fidelity"
-STATE_DIR = Path(".ampd")
 
 
 def _live_summary(rounds: list[LiveRound], slo: SLO, speed: float) -> dict:

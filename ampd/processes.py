@@ -52,7 +52,8 @@ def spawn(
 
     argv = [sys.executable, "-m", "ampd.cli", *command]
     environment = {**os.environ, **env} if env else None
-    process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=prepare, env=environment)
+    hook = prepare if cpu is not None or niceness else None
+    process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=hook, env=environment)
     return Child(name, f"http://127.0.0.1:{port}", process)
 
 

@@ -9,6 +9,7 @@ slow every other test on a two-core machine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,11 +23,13 @@ import httpx
 import openai
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine, start_gateway
+from workers.registry import WorkerInfo, live_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,12 +65,21 @@ def start_vllm_worker(tmp: Path, model_dir: Path, role: str, prefix: str) -> Eng
     return Engine(child.url, MODEL, child, kind="vllm")
 
 
+def registered(prefix: str) -> dict[str, WorkerInfo]:
+    """The live registry entries, by URL."""
+
+    async def read() -> list[WorkerInfo]:
+        async with aioredis.from_url(REDIS_URL, decode_responses=True) as r:
+            return await live_workers(r, prefix)
+
+    return {info.url: info for info in asyncio.run(read())}
+
+
 def wait_registered(engines: list[Engine], prefix: str, tmp: Path) -> None:
     """Registration is the supervisor's readiness: it registers once vLLM serves."""
-    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        urls = {r.hget(f"{prefix}:worker:{w}", "url") for w in r.smembers(f"{prefix}:workers")}
+        urls = registered(prefix)
         if all(e.url in urls for e in engines):
             return
         for e in engines:
@@ -193,8 +205,6 @@ def test_sigterm_drains_the_decode_worker(vllm, gateways):
     """Last in the module: it stops the decode engine. A stream in flight finishes; new
     sessions find no decode worker meanwhile; the entry leaves the registry; exit 0."""
     _, decode, prefix = vllm
-    r = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    (worker_key,) = [f"{prefix}:worker:{w}" for w in r.smembers(f"{prefix}:workers") if "decode" in w]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Count slowly."}], "stream": True,
             "max_tokens": 24, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
     with httpx.stream("POST", f"{gateways[1]}/v1/chat/completions", json=body, timeout=300) as stream:
@@ -202,7 +212,7 @@ def test_sigterm_drains_the_decode_worker(vllm, gateways):
         assert next(lines).startswith("data: ")
         decode.child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
-        while r.hget(worker_key, "draining") != "True":
+        while not registered(prefix)[decode.url].draining:
             assert time.monotonic() < deadline, "the worker never announced draining"
             time.sleep(0.2)
         time.sleep(2)  # one gateway scrape interval and then some
@@ -214,4 +224,4 @@ def test_sigterm_drains_the_decode_worker(vllm, gateways):
     usage = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
     assert usage and usage[-1]["completion_tokens"] == 24
     assert decode.child.process.wait(timeout=120) == 0
-    assert not r.exists(worker_key)
+    assert decode.url not in registered(prefix)
