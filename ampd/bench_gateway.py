@@ -53,12 +53,12 @@ class Level:
         return self.gateway_ttft_p99_ms - self.direct_ttft_p99_ms
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile_ms(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-async def _drive(url: str, model: str, streams: int, requests: int, output_tokens: int) -> list[StreamTiming]:
+async def drive(url: str, model: str, streams: int, requests: int, output_tokens: int) -> list[StreamTiming]:
     async def one_stream(i: int) -> list[StreamTiming]:
         out = []
         for k in range(requests):
@@ -109,17 +109,18 @@ def run_gateway_bench(
         if (os.cpu_count() or 1) > 1:
             os.sched_setaffinity(0, {1})
         model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        asyncio.run(_drive(gateway.url, model, 4, 2, 4))  # warm both paths
-        asyncio.run(_drive(worker.url, model, 4, 2, 4))
+        asyncio.run(drive(gateway.url, model, 4, 2, 4))  # warm both paths
+        asyncio.run(drive(worker.url, model, 4, 2, 4))
         for streams in levels:
             console.print(f"{streams} concurrent streams ...")
-            direct = asyncio.run(_drive(worker.url, model, streams, requests, output_tokens))
-            via = asyncio.run(_drive(gateway.url, model, streams, requests, output_tokens))
+            direct = asyncio.run(drive(worker.url, model, streams, requests, output_tokens))
+            via = asyncio.run(drive(gateway.url, model, streams, requests, output_tokens))
             results.append(Level(
                 streams,
-                _pct([t.ttft for t in direct], 0.5), _pct([t.ttft for t in direct], 0.99),
-                _pct([t.ttft for t in via], 0.5), _pct([t.ttft for t in via], 0.99),
-                _pct([t.last_event - t.sent for t in direct], 0.5), _pct([t.last_event - t.sent for t in via], 0.5),
+                percentile_ms([t.ttft for t in direct], 0.5), percentile_ms([t.ttft for t in direct], 0.99),
+                percentile_ms([t.ttft for t in via], 0.5), percentile_ms([t.ttft for t in via], 0.99),
+                percentile_ms([t.last_event - t.sent for t in direct], 0.5),
+                percentile_ms([t.last_event - t.sent for t in via], 0.5),
             ))  # fmt: skip
         observed = httpx.get(f"{gateway.url}/metrics").text
     finally:

@@ -38,6 +38,9 @@ class SweepPoint:
     ttft_p95_incremental_s: float | None
     itl_p95_s: float | None
     local_share_incremental: float
+    ttft_mean_initial_s: float | None  # the means are the paper's Figure 4 breakdown (bottom row)
+    ttft_mean_incremental_s: float | None
+    itl_mean_s: float | None
 
     @classmethod
     def of(cls, workload: str, rate: float, report: SimReport) -> SweepPoint:
@@ -45,7 +48,8 @@ class SweepPoint:
         return cls(
             workload, rate, report.policy, deployment, report.gpus, report.slo_attainment_rounds,
             report.slo_attainment_sessions, report.ttft_initial.p95_s, report.ttft_incremental.p95_s,
-            report.itl.p95_s, report.local_share_incremental,
+            report.itl.p95_s, report.local_share_incremental, report.ttft_initial.mean_s,
+            report.ttft_incremental.mean_s, report.itl.mean_s,
         )  # fmt: skip
 
 

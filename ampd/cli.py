@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ampd.planning import plan_command, simulate_command, sweep_command, trace_app
+from ampd.planning import paper_command, plan_command, simulate_command, sweep_command, trace_app
 from planner.catalog import GPUS, MODELS
 from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from workers.registry import reachable_host
@@ -28,6 +28,7 @@ app.add_typer(sessions_app, name="sessions")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
 bench_app.command("sweep")(sweep_command)
+bench_app.command("paper")(paper_command)
 console = Console()
 
 
@@ -430,25 +431,64 @@ def bench_gateway(
     raise typer.Exit(run_gateway_bench(console, speed, level_list, requests, output_tokens, out))
 
 
-@bench_app.command("fidelity")
-def bench_fidelity(
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+@bench_app.command("overhead")
+def bench_overhead(
+    arms: Annotated[str, typer.Option(help="comma-separated, of direct, ampd, litellm, vllm-router")] = (
+        "direct,ampd,litellm,vllm-router"
+    ),
+    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
+    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
+    output_tokens: int = 32,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
+) -> None:
+    """Latency ampd, LiteLLM's proxy and vllm-router add over calling one worker directly."""
+    from ampd.bench_overhead import run_overhead_bench
+
+    level_list = [int(x) for x in levels.split(",")]
+    raise typer.Exit(run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, out))
+
+
+@bench_app.command("run")
+def bench_run(
+    trace: Annotated[Path | None, typer.Option(help="JSONL trace to replay (else one is generated)")] = None,
+    workload: Annotated[str, typer.Option(help="trace to generate: toolbench, gaia, hotpotqa or dureader")] = (
+        "toolbench"
+    ),
+    sessions: Annotated[int, typer.Option(help="sessions to generate")] = 120,
+    rate: Annotated[
+        float | None, typer.Option(help="sessions per modelled second (a given trace is re-spaced to it)")
+    ] = None,
+    policy: str = "ampd",
     profile: str = "llama-3.1-70b_h20_tp4",
     speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
-    sessions: int = 120,
-    rate: Annotated[float, typer.Option(help="ToolBench sessions per modelled second")] = 0.5,
-    policy: str = "ampd",
     seed: int = 0,
     port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:
-    """The same trace run live (gateway + GPU-free workers) and in the simulator."""
-    from ampd.bench_fidelity import run_fidelity_bench
+    """Replay a trace live (gateway + GPU-free workers), next to the simulator's prediction."""
+    from ampd.bench_run import LiveSetup, run_bench
+    from planner.trace import WORKLOADS, generate, load_trace, respace
 
-    raise typer.Exit(run_fidelity_bench(console, redis_url, profile, speed, prefill_replicas, decode_replicas,
-                                        sessions, rate, policy, seed, port, out))  # fmt: skip
+    try:
+        if trace is not None:
+            sessions_list = load_trace(trace)
+            label = str(trace) if rate is None else f"{trace} re-spaced to {rate:g}/s (seed {seed})"
+            if rate is not None:
+                sessions_list = respace(sessions_list, rate, seed)
+        elif workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+        else:
+            rate = 0.5 if rate is None else rate
+            sessions_list = generate(WORKLOADS[workload], sessions, rate, seed)
+            label = f"{workload}, {sessions} sessions at {rate:g}/s (seed {seed})"
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url)
+    raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
 
 
 @bench_app.command("simulate")

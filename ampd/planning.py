@@ -283,3 +283,58 @@ def sweep_command(
              f"SLO TTFT {_ms(slo.ttft_s)} / ITL {_ms(slo.itl_s)} (simulated)")  # fmt: skip
     for path in write(points, out_dir, f"sweep_{workload}", title):
         console.print(f"wrote {path}")
+
+
+def paper_command(
+    workloads: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated, of toolbench, hotpotqa, dureader, gaia (GAIA's longest sessions "
+            "outgrow Llama-3.1's context under our reading of Table 1: see README)"
+        ),
+    ] = "toolbench,hotpotqa,dureader",
+    rates: Annotated[
+        list[str] | None, typer.Option(help="WORKLOAD=R1,R2,... (sessions/s) to replace a trace's default rates")
+    ] = None,
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    profile: ProfilesOption = None,
+    sessions: Annotated[int, typer.Option(help="sessions per point")] = 300,
+    slo_scale: float = DEFAULT_SCALE,
+    sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 0.6,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
+) -> None:
+    """The paper's comparison: every policy on its best deployment at the paper's cluster sizes (simulated)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from ampd.bench_paper import DEFAULT_RATES, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
+
+    names = [w for w in workloads.split(",") if w]
+    unknown = [w for w in names if w not in PAPER_GPUS]
+    if unknown or not names:
+        raise _fail(f"unknown workloads {unknown}; one or more of {', '.join(PAPER_GPUS)}")
+    grid = dict(DEFAULT_RATES)
+    try:
+        for spec in rates or []:
+            name, _, values = spec.partition("=")
+            if name not in PAPER_GPUS or not values:
+                raise ValueError(f"bad --rates {spec!r}: write WORKLOAD=R1,R2 with a known workload")
+            grid[name] = tuple(float(r) for r in values.split(","))
+        book = _book(model, profile)
+        slos = {w: trace_slo(book, gpu, w, slo_scale) for w in names}
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], sessions, slos[w], seed, progress)]
+        setup, sensitive = "", []
+        if sensitivity_rate > 0:
+            dureader = trace_slo(book, gpu, "dureader", slo_scale)
+            with console.status("sensitivity to w, alpha and beta (DuReader)"):
+                setup, sensitive = sensitivity(book, gpu, "dureader", sensitivity_rate, sessions, dureader, seed)
+            setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
+    except ValueError as exc:
+        raise _fail(str(exc)) from exc
+    title = (f"{model} on {gpu}, {sessions} sessions per point, SLO scale {slo_scale:g} "
+             "(simulated; every policy on its best deployment)")  # fmt: skip
+    for path in write(out_dir, title, points, slos, setup, sensitive):
+        console.print(f"wrote {path}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -100,7 +100,13 @@ async def _round(client: httpx.AsyncClient, url: str, body: dict, session_id: st
 
 
 async def _session(
-    client: httpx.AsyncClient, url: str, index: int, session: TraceSession, speed: float, start: float
+    client: httpx.AsyncClient,
+    url: str,
+    index: int,
+    session: TraceSession,
+    speed: float,
+    start: float,
+    on_round: Callable[[LiveRound], None],
 ) -> list[LiveRound]:
     await asyncio.sleep(max(0.0, start + session.arrival_s / speed - time.perf_counter()))
     messages: list[dict] = [{"role": "user", "content": words(index, 0, session.rounds[0].input_tokens)}]
@@ -116,6 +122,7 @@ async def _session(
         gaps = got.completion_tokens - 1
         itl = (got.finished - got.first_token) / gaps if gaps > 0 else None
         out.append(LiveRound(session.session_id, k, got.first_token - got.sent, itl, got.completion_tokens))
+        on_round(out[-1])
         message = got.message
         messages = [*messages, message]
         if k + 1 == len(session.rounds):
@@ -127,12 +134,16 @@ async def _session(
     return out
 
 
-async def replay(url: str, sessions: Sequence[TraceSession], speed: float) -> list[LiveRound]:
-    """Every session of the trace against the gateway at ``url``; rounds in completion order."""
+async def replay(
+    url: str, sessions: Sequence[TraceSession], speed: float, on_round: Callable[[LiveRound], None] = lambda _: None
+) -> list[LiveRound]:
+    """Every session of the trace against the gateway at ``url``; ``on_round`` hears of each
+    round as it completes (a progress bar)."""
     limits = httpx.Limits(max_connections=len(sessions) + 8, max_keepalive_connections=len(sessions) + 8)
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
         start = time.perf_counter() + 0.5
         first = min(s.arrival_s for s in sessions)
         shifted = [s.model_copy(update={"arrival_s": s.arrival_s - first}) for s in sessions]
-        results = await asyncio.gather(*(_session(client, url, i, s, speed, start) for i, s in enumerate(shifted)))
+        runs = (_session(client, url, i, s, speed, start, on_round) for i, s in enumerate(shifted))
+        results = await asyncio.gather(*runs)
     return [r for rounds in results for r in rounds]

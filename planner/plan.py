@@ -31,7 +31,7 @@ from planner.memory import fits
 from planner.profile import PROFILES_DIR, Profile, load_profile
 from planner.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.slo import SLO, derived_slo
+from planner.slo import REFERENCE_PROMPT_TOKENS, SLO, derived_slo
 from planner.trace import TraceSession, subsample
 
 Progress = Callable[[str], None]
@@ -92,13 +92,13 @@ class ProfileBook:
                 )
         return self._cache[key]
 
-    def reference_slo(self, gpu: str, scale: float) -> SLO:
+    def reference_slo(self, gpu: str, scale: float, prompt_tokens: int = REFERENCE_PROMPT_TOKENS) -> SLO:
         """One SLO for the whole plan: scale x the unloaded latency at the smallest degree
         that fits on ``gpu`` (DistServe's convention; the same thresholds for every config)."""
         degrees = self.feasible(gpu)
         if not degrees:
             raise ValueError(f"{self.model.name} fits on no TP degree of {gpu}")
-        return derived_slo(self.get(gpu, degrees[0]), scale)
+        return derived_slo(self.get(gpu, degrees[0]), scale, prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -172,9 +172,13 @@ class RankedPlan:
     eq5_rank: int = 0  # its place in the SCIP ranking (1 = Eq. 5's optimum)
 
 
+def attainment_key(report: SimReport) -> tuple[float, float]:
+    """Sorts best first: higher simulated SLO attainment, then lower P95 TTFT."""
+    return (-report.slo_attainment_rounds, report.ttft.p95_s or 0.0)
+
+
 def by_attainment(plans: Sequence[RankedPlan]) -> list[RankedPlan]:
-    """Best simulated SLO attainment first; ties go to the lower P95 TTFT."""
-    return sorted(plans, key=lambda r: (-r.predicted.slo_attainment_rounds, r.predicted.ttft.p95_s or 0.0))
+    return sorted(plans, key=lambda r: attainment_key(r.predicted))
 
 
 @dataclass(frozen=True)

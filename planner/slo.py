@@ -26,7 +26,9 @@ class SLO:
         return SLO(self.ttft_s / speed, self.itl_s / speed)
 
 
-def derived_slo(profile: Profile, scale: float = DEFAULT_SCALE) -> SLO:
-    unloaded_ttft = profile.t_pre(0, REFERENCE_PROMPT_TOKENS)
-    unloaded_itl = profile.t_dec(1, REFERENCE_PROMPT_TOKENS)
+def derived_slo(profile: Profile, scale: float = DEFAULT_SCALE, prompt_tokens: int = REFERENCE_PROMPT_TOKENS) -> SLO:
+    """``prompt_tokens`` is the request the latencies are measured on: a workload's typical
+    round when thresholds are set per workload, as DistServe does."""
+    unloaded_ttft = profile.t_pre(0, prompt_tokens)
+    unloaded_itl = profile.t_dec(1, prompt_tokens)
     return SLO(scale * unloaded_ttft, scale * unloaded_itl)

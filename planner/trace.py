@@ -163,6 +163,14 @@ def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> l
     return out
 
 
+def respace(sessions: list[TraceSession], rate: float, seed: int = 0) -> list[TraceSession]:
+    """The same sessions, in order, arriving as a Poisson process at ``rate``/s instead."""
+    if rate <= 0:
+        raise ValueError("the arrival rate must be positive")
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(sessions)))
+    return [s.model_copy(update={"arrival_s": round(float(t), 4)}) for s, t in zip(sessions, arrivals, strict=True)]
+
+
 def summarize(sessions: list[TraceSession]) -> dict[str, float]:
     """Table 1's columns for a trace, to compare a generated one with the paper."""
     rounds = [r for s in sessions for r in s.rounds]

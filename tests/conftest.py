@@ -33,6 +33,16 @@ def engine(pd_pair) -> Engine:
     return pd_pair[1]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test of a module that defines ``failure_context()`` (its engines' logs)
+    reports it too: an intermittent engine failure is then diagnosable from CI's output."""
+    report = (yield).get_result()
+    context = getattr(item.module, "failure_context", None)
+    if report.failed and context is not None:
+        report.sections.append(("engine logs", context()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def clean_test_database():
     """Everything the suite writes to Redis lives in its own database (13); empty it at the end,

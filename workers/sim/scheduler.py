@@ -128,7 +128,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
         if self.kv.blocks_for(request.num_prompt_tokens + 1) > self.kv.num_blocks:
-            raise ValueError("prompt larger than the whole KV cache")
+            raise ValueError(
+                f"a prompt of {request.num_prompt_tokens} tokens is larger than the whole KV cache "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

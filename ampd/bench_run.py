@@ -1,0 +1,184 @@
+"""`ampd bench run`: a trace replayed live, next to the simulator's prediction for it.
+
+Live: Redis, GPU-free workers (``ampd worker sim``) running ``speed`` times faster than
+the modelled GPU, and the gateway with the chosen policy; ampd.replay drives one agent
+session per trace session (the round, the tool's latency, the tool result, the next
+round). Wall-clock latencies are multiplied by ``speed`` to compare with the simulator's
+virtual time, and judged against the modelled SLO. The same trace then runs through
+planner.simulator on the same deployment. The bar for agreement (the planner issue's):
+SLO attainment within 5 points and P95 TTFT within 10%.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ampd.local_redis import NoRedis, ensure_redis
+from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.replay import LiveRound, replay
+from ampd.stack import STATE_DIR
+from planner.profile import load_profile
+from planner.simulator import Pool, SimConfig, SimReport, simulate
+from planner.slo import SLO, derived_slo
+from planner.trace import TraceSession
+
+PREFIX = "ampd-bench-run"
+COLOCATED = ("coloc", "continuum")
+BAR_POINTS, BAR_REL = 5.0, 0.10
+
+
+@dataclass(frozen=True)
+class LiveSetup:
+    profile: str
+    speed: float
+    policy: str
+    prefill_replicas: int
+    decode_replicas: int
+    base_port: int  # the gateway's; workers take the next ones
+    redis_url: str
+
+    def check(self) -> None:
+        if self.policy in COLOCATED and self.prefill_replicas:
+            raise ValueError(f"{self.policy} serves on decode workers only: pass --prefill-replicas 0")
+        if self.policy not in COLOCATED and not self.prefill_replicas:
+            raise ValueError(f"{self.policy} needs at least one prefill worker")
+        if self.decode_replicas < 1 or self.speed <= 0:
+            raise ValueError("need at least one decode worker and a positive speed")
+
+
+def live_summary(rounds: Sequence[LiveRound], slo: SLO, speed: float) -> dict:
+    """Wall-clock rounds in modelled seconds, judged against the modelled SLO."""
+    ttft = np.array([r.ttft_s * speed for r in rounds])
+    itl = [r.mean_itl_s * speed for r in rounds if r.mean_itl_s is not None]
+    met = [
+        r.ttft_s * speed <= slo.ttft_s and (r.mean_itl_s is None or r.mean_itl_s * speed <= slo.itl_s) for r in rounds
+    ]
+    return {
+        "rounds": len(rounds),
+        "slo_attainment_rounds": sum(met) / len(met),
+        "ttft_p95_s": float(np.percentile(ttft, 95)),
+        "ttft_mean_s": float(ttft.mean()),
+        "itl_p95_s": float(np.percentile(itl, 95)) if itl else None,
+    }
+
+
+def sim_summary(report: SimReport) -> dict:
+    return {
+        "rounds": report.rounds,
+        "slo_attainment_rounds": report.slo_attainment_rounds,
+        "ttft_p95_s": report.ttft.p95_s,
+        "ttft_mean_s": report.ttft.mean_s,
+        "itl_p95_s": report.itl.p95_s,
+        "local_share_incremental": report.local_share_incremental,
+    }
+
+
+@contextlib.contextmanager
+def live_stack(setup: LiveSetup) -> Iterator[str]:
+    """Redis, the workers and the gateway, registered and ready; yields the gateway's URL."""
+    STATE_DIR.mkdir(exist_ok=True)
+    redis = ensure_redis(setup.redis_url, STATE_DIR / "redis-bench-run")
+    registry = ["--redis-url", redis.url, "--redis-prefix", PREFIX]
+    roles = ["prefill"] * setup.prefill_replicas + ["decode"] * setup.decode_replicas
+    children: list[Child] = [
+        spawn_sim_worker(
+            f"{role}-{i}",
+            setup.base_port + 1 + i,
+            ["--role", role, "--profile", setup.profile, "--speed", str(setup.speed), *registry],
+            log=STATE_DIR / f"bench-run-{role}-{i}.log",
+        )  # fmt: skip
+        for i, role in enumerate(roles)
+    ]
+    try:
+        failed = wait_healthy(children)
+        if failed is None:
+            children.append(spawn_gateway("gateway", setup.base_port, [*registry, "--policy", setup.policy],
+                                          STATE_DIR / "bench-run-gateway.log"))  # fmt: skip
+            failed = wait_healthy(children[-1:], path="/readyz")
+        if failed is not None:
+            raise RuntimeError(f"{failed.name} did not come up; see {STATE_DIR}/bench-run-*.log")
+        yield children[-1].url
+    finally:
+        for child in reversed(children):
+            child.stop()
+        _flush(redis.url)
+        redis.stop()
+
+
+def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup: LiveSetup, out: Path | None) -> int:
+    """``label`` says where the trace came from (a file, or a workload, rate and seed)."""
+    try:
+        setup.check()
+        profile = load_profile(setup.profile)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    slo = derived_slo(profile)
+    prefill = Pool(profile, setup.prefill_replicas) if setup.prefill_replicas else None
+    config = SimConfig(decode=Pool(profile, setup.decode_replicas), prefill=prefill, slo=slo, policy=setup.policy)
+    total = sum(len(s.rounds) for s in trace)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with live_stack(setup) as url, Progress(*columns, console=console) as progress:
+            task = progress.add_task(f"{len(trace)} sessions live at {setup.speed:g}x ({setup.policy})", total=total)
+            started = time.perf_counter()
+            rounds = asyncio.run(replay(url, trace, setup.speed, on_round=lambda _: progress.advance(task)))
+            wall = time.perf_counter() - started
+    except (NoRedis, RuntimeError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    with console.status("simulating the same trace"):
+        simulated = simulate(config, trace)
+
+    live, sim = live_summary(rounds, slo, setup.speed), sim_summary(simulated)
+    points = (live["slo_attainment_rounds"] - sim["slo_attainment_rounds"]) * 100
+    rel = live["ttft_p95_s"] / sim["ttft_p95_s"] - 1
+    console.print(_table(live, sim, points, rel))
+    agrees = abs(points) <= BAR_POINTS and abs(rel) <= BAR_REL
+    verdict = "[green]within" if agrees else "[yellow]outside"
+    console.print(f"{verdict} the bar ({BAR_POINTS:g} points, {BAR_REL:.0%})")
+    result = {
+        "profile": setup.profile, "speed": setup.speed, "policy": setup.policy,
+        "prefill_replicas": setup.prefill_replicas, "decode_replicas": setup.decode_replicas,
+        "trace": label, "sessions": len(trace), "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
+        "live": live, "simulated": sim,
+        "attainment_points": points, "p95_ttft_rel": rel, "live_wall_s": wall, "within_bar": agrees,
+    }  # fmt: skip
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {out}")
+    return 0
+
+
+def _table(live: dict, sim: dict, points: float, rel: float) -> Table:
+    table = Table("", "live (x speed)", "simulated", "difference")
+    table.add_row("rounds", str(live["rounds"]), str(sim["rounds"]), "")
+    table.add_row("SLO attainment", f"{live['slo_attainment_rounds']:.1%}", f"{sim['slo_attainment_rounds']:.1%}",
+                  f"{points:+.1f} points")  # fmt: skip
+    table.add_row("P95 TTFT", f"{live['ttft_p95_s'] * 1e3:,.0f} ms", f"{sim['ttft_p95_s'] * 1e3:,.0f} ms",
+                  f"{rel:+.1%}")  # fmt: skip
+    table.add_row("mean TTFT", f"{live['ttft_mean_s'] * 1e3:,.0f} ms", f"{sim['ttft_mean_s'] * 1e3:,.0f} ms", "")
+    if live["itl_p95_s"] is not None and sim["itl_p95_s"] is not None:
+        table.add_row("P95 ITL", f"{live['itl_p95_s'] * 1e3:,.1f} ms", f"{sim['itl_p95_s'] * 1e3:,.1f} ms", "")
+    return table
+
+
+def _flush(redis_url: str) -> None:
+    """Drop what the run left under its prefix."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{PREFIX}:*", count=1000))
+    for start in range(0, len(keys), 500):
+        client.delete(*keys[start : start + 500])
