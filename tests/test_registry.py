@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import signal
+import time
 import uuid
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from ampd.local_redis import free_port, server_binary, start_private_redis
 from planner.profile import DEFAULT_PROFILE, load_profile
-from workers.registry import Registration, WorkerInfo, live_workers
+from workers.registry import Registration, WorkerInfo, heartbeat_client, live_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
@@ -38,3 +44,57 @@ def test_a_draining_worker_stays_listed_and_says_so_until_it_leaves():
         return seen
 
     assert asyncio.run(scenario()) == [[("w1", False)], [("w1", True)], [("w1", True)], []]
+
+
+def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
+    """A private Redis is killed and started again, empty, on the same port: the next
+    scheduled beat (one third of the TTL) lists the worker again over a fresh connection.
+    Then Redis is frozen (SIGSTOP): each beat gives up after a quarter of the TTL and is
+    tried again a moment later, rather than waiting out redis-py's retries."""
+    binary = server_binary()
+    assert binary is not None, "the test needs a redis-server of its own to kill"
+    port = free_port()
+    server = start_private_redis(binary, port, tmp_path)
+    info = WorkerInfo("w1", "decode", "http://127.0.0.1:1", "m", load_profile(DEFAULT_PROFILE), 1.0, 4096)
+    ttl_s = 3.0
+    failures: list[float] = []
+
+    class Failures(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            failures.append(time.monotonic())
+
+    async def scenario() -> tuple[float, float]:
+        nonlocal server
+        redis = heartbeat_client(server.url)
+        beat = asyncio.create_task(Registration(redis, "restart", info, ttl_s=ttl_s).run())
+        await asyncio.sleep(0.1)
+        server.process.kill()
+        server.process.wait()
+        await asyncio.sleep(0.2)
+        server = start_private_redis(binary, port, tmp_path)
+        answering = time.monotonic()
+        async with aioredis.from_url(server.url, decode_responses=True) as reader:
+            while not await live_workers(reader, "restart"):
+                assert time.monotonic() - answering < 5.0, "the entry never came back"
+                await asyncio.sleep(0.02)
+        back_after = time.monotonic() - answering
+        os.kill(server.process.pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        await asyncio.sleep(ttl_s)
+        os.kill(server.process.pid, signal.SIGCONT)
+        beat.cancel()
+        await asyncio.gather(beat, return_exceptions=True)
+        await redis.aclose()
+        return back_after, frozen
+
+    handler = Failures(logging.WARNING)
+    logging.getLogger("workers.registry").addHandler(handler)
+    try:
+        back_after, frozen = asyncio.run(scenario())
+    finally:
+        logging.getLogger("workers.registry").removeHandler(handler)
+        os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()
+    assert back_after < ttl_s / 3 + 0.5
+    during_stall = [t - frozen for t in failures if t > frozen]
+    assert len(during_stall) >= 2 and during_stall[0] < ttl_s / 3 + ttl_s / 4 + 0.5, during_stall

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from planner.profile import Profile
 
@@ -26,6 +28,16 @@ log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
 HEARTBEAT_TTL_S = 10.0
+# After a failed beat, try again soon rather than a third of the TTL later: a Redis that
+# comes back empty (restarted) should list the worker again within a moment.
+RETRY_AFTER_FAILURE_S = 0.25
+
+
+def heartbeat_client(url: str) -> aioredis.Redis:
+    """A client for ``Registration`` that retries a call once, at once (a connection that a
+    Redis restart left stale), and otherwise leaves retrying to the heartbeat loop: redis-py's
+    default tries ten times with back-off, each try waiting up to its socket timeout."""
+    return aioredis.from_url(url, decode_responses=True, retry=Retry(NoBackoff(), 1))
 
 
 @dataclass(frozen=True)
@@ -125,8 +137,8 @@ class Registration:
     async def run(self) -> None:
         try:
             while True:
-                await self._beat()
-                await asyncio.sleep(self.ttl_s / 3)
+                landed = await self._beat()
+                await asyncio.sleep(self.ttl_s / 3 if landed else RETRY_AFTER_FAILURE_S)
         finally:
             with contextlib.suppress(aioredis.RedisError, OSError):
                 await asyncio.shield(deregister(self.redis, self.prefix, self.info.worker_id))
@@ -136,8 +148,16 @@ class Registration:
         self.info = replace(self.info, draining=True)
         await self._beat()
 
-    async def _beat(self) -> None:
+    async def _beat(self) -> bool:
+        """Whether the entry reached Redis. A try is cut off after a quarter of the TTL, so
+        a slow Redis still leaves time for the next one before the entry lapses."""
         try:
-            await register(self.redis, self.prefix, self.info, self.ttl_s)
+            async with asyncio.timeout(self.ttl_s / 4):
+                await register(self.redis, self.prefix, self.info, self.ttl_s)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("heartbeat to Redis failed: %s", exc)
+            return False
+        except Exception:  # a client-library fault must not end the loop and deregister a live worker
+            log.exception("heartbeat to Redis failed unexpectedly")
+            return False
+        return True

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from planner.profile import Profile
-from workers.registry import Registration, Role, WorkerInfo
+from workers.registry import Registration, Role, WorkerInfo, heartbeat_client
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
 from workers.sim.kv_transfer import KVSideChannel
@@ -382,7 +381,7 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
     if config.redis_url is None:
         yield
         return
-    redis = aioredis.from_url(config.redis_url, decode_responses=True)
+    redis = heartbeat_client(config.redis_url)
     info = WorkerInfo(
         worker_id=f"sim-{config.role}-{config.advertise_host}:{config.port}",
         role=config.role,

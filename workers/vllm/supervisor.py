@@ -19,11 +19,10 @@ import signal
 import time
 
 import httpx
-import redis.asyncio as aioredis
 
 from gateway.upstream import parse_load
 from planner.profile import Profile
-from workers.registry import Registration, WorkerInfo
+from workers.registry import Registration, WorkerInfo, heartbeat_client
 from workers.vllm.launch import VllmLaunch, cache_config, server_argv, server_env
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ async def supervise(
     engine = await asyncio.create_subprocess_exec(
         *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True
     )
-    redis = aioredis.from_url(redis_url, decode_responses=True)
+    redis = heartbeat_client(redis_url)
     try:
         async with httpx.AsyncClient(base_url=launch.url, timeout=10.0) as http:
             info = await _wait_ready(engine, http, launch, profile, stop, ready_timeout_s)
