@@ -45,7 +45,8 @@ def trace_generate(
     table = Table("", "this trace", "paper (Table 1)")
     table.add_row("sessions", str(shape["sessions"]), "")
     table.add_row("rounds / session", f"{shape['mean_rounds']:.2f}", f"{target.mean_rounds}")
-    table.add_row("prompt tokens added / round", f"{shape['mean_input_tokens']:.1f}", f"{target.mean_input_tokens}")
+    table.add_row("prompt tokens / call", f"{shape['mean_prompt_tokens']:.1f}", f"{target.mean_prompt_tokens}")
+    table.add_row("prompt tokens added / round", f"{shape['mean_added_tokens']:.1f}", "")
     table.add_row("output tokens / round", f"{shape['mean_output_tokens']:.1f}", f"{target.mean_output_tokens}")
     table.add_row("arrival rate (/s)", f"{shape['arrival_rate']:.3f}", f"{rate}")
     console.print(table)
@@ -245,7 +246,7 @@ def _plan_json(result, checked) -> dict:
 
 def sweep_command(
     workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
-    rates: Annotated[str, typer.Option(help="arrival rates, sessions/s, comma-separated")] = "0.3,0.45,0.6,0.75",
+    rates: Annotated[str, typer.Option(help="arrival rates, sessions/s, comma-separated")] = "1.0,1.5,2.0,2.5,3.0",
     policies: Annotated[str, typer.Option(help="comma-separated")] = "ampd,disagg,coloc,continuum",
     model: ModelOption = "llama-3.1-70b",
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
@@ -288,27 +289,26 @@ def sweep_command(
 def paper_command(
     workloads: Annotated[
         str,
-        typer.Option(
-            help="comma-separated, of toolbench, hotpotqa, dureader, gaia (GAIA's longest sessions "
-            "outgrow Llama-3.1's context under our reading of Table 1: see README)"
-        ),
-    ] = "toolbench,hotpotqa,dureader",
+        typer.Option(help="comma-separated, of toolbench, hotpotqa, dureader, gaia"),
+    ] = "toolbench,hotpotqa,dureader,gaia",
     rates: Annotated[
         list[str] | None, typer.Option(help="WORKLOAD=R1,R2,... (sessions/s) to replace a trace's default rates")
     ] = None,
     model: ModelOption = "llama-3.1-70b",
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
     profile: ProfilesOption = None,
-    sessions: Annotated[int, typer.Option(help="sessions per point")] = 300,
+    sessions: Annotated[
+        int | None, typer.Option(help="sessions per point; default 300, and 800 for GAIA's minutes-long sessions")
+    ] = None,
     slo_scale: float = DEFAULT_SCALE,
-    sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 0.6,
+    sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 1.2,
     seed: int = 0,
     out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
 ) -> None:
     """The paper's comparison: every policy on its best deployment at the paper's cluster sizes (simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn
 
-    from ampd.bench_paper import DEFAULT_RATES, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
+    from ampd.bench_paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
 
     names = [w for w in workloads.split(",") if w]
     unknown = [w for w in names if w not in PAPER_GPUS]
@@ -323,18 +323,22 @@ def paper_command(
             grid[name] = tuple(float(r) for r in values.split(","))
         book = _book(model, profile)
         slos = {w: trace_slo(book, gpu, w, slo_scale) for w in names}
+        counts = {w: sessions or DEFAULT_SESSIONS[w] for w in PAPER_GPUS}
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
-            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], sessions, slos[w], seed, progress)]
+            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], counts[w], slos[w], seed, progress)]
         setup, sensitive = "", []
         if sensitivity_rate > 0:
             dureader = trace_slo(book, gpu, "dureader", slo_scale)
             with console.status("sensitivity to w, alpha and beta (DuReader)"):
-                setup, sensitive = sensitivity(book, gpu, "dureader", sensitivity_rate, sessions, dureader, seed)
+                setup, sensitive = sensitivity(
+                    book, gpu, "dureader", sensitivity_rate, counts["dureader"], dureader, seed
+                )
             setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
     except ValueError as exc:
         raise _fail(str(exc)) from exc
-    title = (f"{model} on {gpu}, {sessions} sessions per point, SLO scale {slo_scale:g} "
+    per_point = ", ".join(f"{w} {counts[w]}" for w in names)
+    title = (f"{model} on {gpu}, sessions per point: {per_point}, SLO scale {slo_scale:g} "
              "(simulated; every policy on its best deployment)")  # fmt: skip
     for path in write(out_dir, title, points, slos, setup, sensitive):
         console.print(f"wrote {path}")

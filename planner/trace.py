@@ -13,8 +13,17 @@ is every earlier round's input and output plus its own input. The session waits
 round calls none.
 
 The generators match the means of AMPD's Table 1 (shared/seeds/003_517589c8db448ff1.txt,
-section 7.1), read as rounds per session, prompt tokens added per round and output
-tokens per round. The paper gives only means; the spreads are our choice:
+section 7.1): rounds per session, prefill length and decode length. We read the prefill
+length as the whole prompt of each LLM call, averaged over calls, and the decode length
+as the output of each call. The other reading, the tokens each round *adds*, cannot be
+what the paper ran: its Figure 4 breakdown runs Llama-3.1-70B at 2 sessions/s, and
+HotpotQA would then need about 9,400 prefill tokens/s (1.3 PFLOPS) from 8 H20s that
+have 1.2 PFLOPS between them, and GAIA sessions would end near 74k tokens.
+
+The paper gives one number for two unknowns: the first prompt and what each later round
+adds (the tool results). We give both the same mean, the split that assumes least;
+``Workload.mean_added_tokens`` solves for it (with prefix caching, it is also what an
+incremental prefill computes). The spreads are our choice too:
 
 * token counts are log-normal with sigma 0.6 (prompt) and 0.5 (output): LLM prompt and
   output lengths are right-skewed with a long tail (the shape measured in ShareGPT,
@@ -97,13 +106,26 @@ class Workload:
 
     name: str
     mean_rounds: float
-    mean_input_tokens: float
+    mean_prompt_tokens: float  # Table 1's prefill length: a call's whole prompt
     mean_output_tokens: float
     mean_tool_latency_s: float
     rounds_dispersion: float = 1.0  # variance / mean of (rounds - 1); 0 = fixed count
     input_sigma: float = 0.6
     output_sigma: float = 0.5
     tool_sigma: float = 0.5
+
+    @property
+    def mean_added_tokens(self) -> float:
+        """The mean tokens the first round's prompt and every later round's tool results
+        have, so that the mean prompt over calls is ``mean_prompt_tokens``. Call k of a
+        session prompts with k additions and k - 1 outputs, so the mean prompt over calls
+        is a + (a + o) * c, with c the mean number of earlier calls, E[R(R-1)/2] / E[R]."""
+        extra = self.mean_rounds - 1
+        earlier = (self.rounds_dispersion * extra + self.mean_rounds**2 - self.mean_rounds) / (2 * self.mean_rounds)
+        added = (self.mean_prompt_tokens - self.mean_output_tokens * earlier) / (1 + earlier)
+        if added <= 0:
+            raise ValueError(f"{self.name}: outputs alone outgrow a mean prompt of {self.mean_prompt_tokens} tokens")
+        return added
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -140,7 +162,7 @@ def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> l
     arrivals = np.cumsum(rng.exponential(1 / rate, sessions))
     counts = _rounds(rng, workload, sessions)
     total = int(counts.sum())
-    inputs = np.maximum(1, _lognormal(rng, workload.mean_input_tokens, workload.input_sigma, total).round())
+    inputs = np.maximum(1, _lognormal(rng, workload.mean_added_tokens, workload.input_sigma, total).round())
     outputs = np.maximum(1, _lognormal(rng, workload.mean_output_tokens, workload.output_sigma, total).round())
     tools = _lognormal(rng, workload.mean_tool_latency_s, workload.tool_sigma, total)
     out, k = [], 0
@@ -173,13 +195,21 @@ def respace(sessions: list[TraceSession], rate: float, seed: int = 0) -> list[Tr
 
 def summarize(sessions: list[TraceSession]) -> dict[str, float]:
     """Table 1's columns for a trace, to compare a generated one with the paper."""
-    rounds = [r for s in sessions for r in s.rounds]
+    prompts, added, outputs = [], [], []
+    for session in sessions:
+        context = 0
+        for r in session.rounds:
+            prompts.append(context + r.input_tokens)
+            added.append(r.input_tokens)
+            outputs.append(r.output_tokens)
+            context += r.input_tokens + r.output_tokens
     span = sessions[-1].arrival_s - sessions[0].arrival_s
     return {
         "sessions": len(sessions),
-        "mean_rounds": len(rounds) / len(sessions),
-        "mean_input_tokens": float(np.mean([r.input_tokens for r in rounds])),
-        "mean_output_tokens": float(np.mean([r.output_tokens for r in rounds])),
+        "mean_rounds": len(prompts) / len(sessions),
+        "mean_prompt_tokens": float(np.mean(prompts)),
+        "mean_added_tokens": float(np.mean(added)),
+        "mean_output_tokens": float(np.mean(outputs)),
         "arrival_rate": (len(sessions) - 1) / span if span > 0 else math.inf,
     }
 

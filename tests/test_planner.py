@@ -26,7 +26,8 @@ def test_generated_traces_match_table_1(name):
     w = WORKLOADS[name]
     shape = summarize(generate(w, 3000, rate=2.0, seed=7))
     assert shape["mean_rounds"] == pytest.approx(w.mean_rounds, rel=0.04)
-    assert shape["mean_input_tokens"] == pytest.approx(w.mean_input_tokens, rel=0.04)
+    assert shape["mean_prompt_tokens"] == pytest.approx(w.mean_prompt_tokens, rel=0.05)
+    assert shape["mean_added_tokens"] == pytest.approx(w.mean_added_tokens, rel=0.04)
     assert shape["mean_output_tokens"] == pytest.approx(w.mean_output_tokens, rel=0.04)
     assert shape["arrival_rate"] == pytest.approx(2.0, rel=0.08)
 
