@@ -179,6 +179,9 @@ def gateway(
         str, typer.Option(help="server-side tools requests may enable")
     ] = "python,retrieve,calculator",
     max_tool_rounds: Annotated[int, typer.Option(help="server tool rounds per request")] = 8,
+    migration_limit: Annotated[
+        int, typer.Option(help="times a round's stream may move off a lost decode worker; 0: never")
+    ] = 3,
     otlp_endpoint: Annotated[
         str | None, typer.Option(envvar="OTEL_EXPORTER_OTLP_ENDPOINT", help="export per-round spans (OTLP/HTTP)")
     ] = None,
@@ -216,6 +219,7 @@ def gateway(
         static_workers=tuple(static),
         server_tools=tuple(t for t in server_tools.split(",") if t),
         max_tool_rounds=max_tool_rounds,
+        migration_limit=migration_limit,
     )
     if otlp_endpoint:
         from gateway.tracing import configure_otlp

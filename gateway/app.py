@@ -35,6 +35,8 @@ from gateway.api import APIError, ChatRequest, validation_error
 from gateway.binding import DecodeCandidate, choose_decode_worker
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
+from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.policies import POLICIES, route
 from gateway.pool import LiveWorker, WorkerPool
 from gateway.queues import PrefillQueues, QueueFull
@@ -69,6 +71,7 @@ class Exchange:
     session: Session
     slo: SLO
     wants_usage: bool
+    arriving: int  # prompt tokens expected at the session's decode worker, newly bound (gateway.binding)
     rounds: list[dict[str, Any]] = field(default_factory=list)  # server tool rounds, for the client
 
     def engine_body(self) -> dict[str, Any]:
@@ -96,7 +99,8 @@ class Round:
 
     task: PrefillTask
     route: Route
-    decode: LiveWorker
+    decode: LiveWorker  # the worker decoding it now (another one after a migration)
+    migrations: int = 0
 
 
 class Gateway:
@@ -108,9 +112,11 @@ class Gateway:
         )
         self.redis = aioredis.Redis(connection_pool=pool)
         self.client = EngineClient(config.request_timeout_s)
-        self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client)
-        self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s)
-        self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s)
+        self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
+        self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
+        self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
+        self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s, self.health)
+        self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
         self.policy = POLICIES[config.policy]
         self.queues = PrefillQueues(
             self.redis,
@@ -121,8 +127,8 @@ class Gateway:
             slots=config.prefill_slots,
             max_queue=config.max_queue,
             task_ttl_s=config.session_ttl_s,
+            health=self.health,
         )
-        self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
         self.rng = random.Random(config.routing_seed)
         self.key_hashes = config.key_hashes
         self.tools = ToolRunner(config.redis_url, config.key_prefix)
@@ -209,13 +215,13 @@ class Gateway:
         if extends and transcript is not None:  # server tool rounds the client never saw
             engine_messages = transcript + messages[session.conversation_len :]
             l_total = await self.client.tokenize(counter.info.url, model, engine_messages, engine_tools or None)
-        session = self._bind(session, scope, explicit, model, l_total)
+        session, arriving = self._bind(session, scope, explicit, model, l_total)
         if not extends:  # new, or the client rewrote its history: nothing cached counts
             session.l_hist = 0
         wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
         exchange = Exchange(
             arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,
-            server_tools, session, self.slo_for(model), wants_usage,
+            server_tools, session, self.slo_for(model), wants_usage, arriving,
         )  # fmt: skip
         return exchange, self.plan(exchange, arrival, l_total, signals)
 
@@ -263,23 +269,28 @@ class Gateway:
             return session, None
         return session, await self.sessions.transcript(scope, session_id)
 
-    def _bind(self, session: Session | None, scope: str, explicit: str | None, model: str, l_total: int) -> Session:
+    def _bind(
+        self, session: Session | None, scope: str, explicit: str | None, model: str, l_total: int
+    ) -> tuple[Session, int]:
         """AMPD step 1 for new sessions, and re-binding for sessions whose worker is gone
-        or draining (their next round prefills the whole history on the new worker)."""
+        or draining (their next round prefills the whole history on the new worker).
+        Also the prompt tokens now expected at a newly bound worker (0: it stayed)."""
         if session is not None and self.pool.serving(session.decode_worker) is not None:
-            return session
+            return session, 0
+        arriving = self.pool.arriving
         candidates = [
-            DecodeCandidate(w.info.worker_id, w.load.kv_usage, w.info.kv_capacity_tokens, w.pending_tokens)
+            DecodeCandidate(w.info.worker_id, w.load.kv_usage, w.info.kv_capacity_tokens, arriving[w.info.worker_id])
             for w in self.pool.decoders(model)
         ]
         worker_id = choose_decode_worker(candidates)
-        self.pool.workers[worker_id].pending_tokens += l_total
+        self.pool.expect(worker_id, l_total)
         if session is None:
             self.metrics.sessions.inc()
-            return new_session(explicit or uuid.uuid4().hex, scope, worker_id, explicit_id=explicit is not None)
+            bound = new_session(explicit or uuid.uuid4().hex, scope, worker_id, explicit_id=explicit is not None)
+            return bound, l_total
         log.info("session %s re-bound from %s to %s", session.session_id, session.decode_worker, worker_id)
         session.decode_worker, session.l_hist, session.conversation_len = worker_id, 0, 0
-        return session
+        return session, l_total
 
     def _route(
         self,
@@ -390,8 +401,11 @@ class Gateway:
         try:
             estimate = self._estimate(ex.session, r)
             dispatched = await self.queues.submit(r.route.worker_id, r.task, estimate, ex.slo.ttft_s)
-        except QueueFull as exc:
-            raise APIError(429, str(exc), code="queue_full") from exc
+        except BaseException as exc:  # refused, or the client left while it was queued
+            self._arrived(ex, r)
+            if isinstance(exc, QueueFull):
+                raise APIError(429, str(exc), code="queue_full") from exc
+            raise
         times.queued_s = dispatched.queued_s
         times.dispatched_at = time.time()
         self.metrics.queue_wait.observe(dispatched.queued_s)
@@ -412,14 +426,16 @@ class Gateway:
                     if 400 <= exc.status < 500:
                         raise
                     log.warning("remote prefill on %s failed (%s); prefilling locally", prefill_worker, exc)
+                    if exc.lost:  # no new round goes there until it answers a scrape again
+                        self.pool.forget(prefill_worker)
                     self.metrics.routes.labels("local", "fallback").inc()
                     route_kind = "local"
                 self.queues.release(prefill_worker, r.task.task_id)
                 slot_worker = None
             times.decode_sent_at = time.time()
-            stream = self.client.stream(r.decode.info.url, body, request_id, reply, ex.wants_usage, view)
-            async for events in stream:
+            async for events in self._decode(ex, r, body, request_id, reply, view):
                 yield events
+                self._arrived(ex, r)
                 if slot_worker is not None:  # the first token is out: the local prefill is over
                     self.queues.release(slot_worker, r.task.task_id)
                     slot_worker = None
@@ -428,8 +444,64 @@ class Gateway:
                 slot_worker = None
             await self._record_round(ex.session, r, reply, route_kind, prefill_worker, times)
         finally:
+            self._arrived(ex, r)
             if slot_worker is not None:
                 self.queues.release(slot_worker, r.task.task_id)
+
+    def _arrived(self, ex: Exchange, r: Round) -> None:
+        """The round reached its decode worker (or ended): its KV shows in that worker's usage."""
+        if ex.arriving:
+            self.pool.arrived(r.decode.info.worker_id, ex.arriving)
+            ex.arriving = 0
+
+    async def _decode(
+        self, ex: Exchange, r: Round, body: dict[str, Any], request_id: str, reply: Reply, view: ClientView | None
+    ) -> AsyncIterator[bytes]:
+        """The round's decode stream; when its worker is lost mid-stream, the stream goes on
+        on another decode worker (gateway.migration), up to the migration limit."""
+        transform: Transform | None = view
+        leg = body
+        while True:
+            try:
+                async for events in self.client.stream(
+                    r.decode.info.url, leg, request_id, reply, ex.wants_usage, transform
+                ):
+                    yield events
+                break
+            except UpstreamError as exc:
+                if not exc.lost or not resumable(reply):
+                    raise
+                if r.migrations >= self.config.migration_limit:
+                    self.metrics.migrations.labels("refused").inc()
+                    raise UpstreamError(f"{exc}; not moved: migration limit {self.config.migration_limit}") from exc
+                leg, transform = await self._migrate(ex, r, body, reply, view)
+                request_id = uuid.uuid4().hex
+        if r.migrations and reply.usage is not None:
+            reply.usage = round_usage(reply.usage, r.task.l_total)
+
+    async def _migrate(
+        self, ex: Exchange, r: Round, body: dict[str, Any], reply: Reply, view: ClientView | None
+    ) -> tuple[dict[str, Any], Transform | None]:
+        """Re-bind the session off its lost decode worker; the request and chunk rewriter
+        that continue the round there."""
+        lost, model = r.decode.info.worker_id, ex.body["model"]
+        self.pool.forget(lost)
+        try:
+            session, ex.arriving = self._bind(ex.session, ex.scope, None, model, r.task.l_total)
+        except ValueError as exc:
+            raise UpstreamError(f"decode worker {lost} was lost and no other is left", 503) from exc
+        r.decode, r.migrations = self.pool.workers[session.decode_worker], r.migrations + 1
+        leg = continuation_body(body, reply)
+        if reply.content:
+            url, tools = r.decode.info.url, ex.engine_tools
+            prompt = await self.client.tokenize(url, model, leg["messages"], tools, continue_final_message=True)
+            leg = with_tokens_left(leg, prompt - r.task.l_total)
+        self.metrics.migrations.labels("moved").inc()
+        log.warning("session %s: decode worker %s lost mid-stream, continuing on %s", session.session_id, lost,
+                    session.decode_worker)  # fmt: skip
+        if reply.head is None:  # nothing reached the client: the round simply starts over
+            return leg, view
+        return leg, Continued(reply.head, r.task.l_total, ex.wants_usage, view)
 
     async def _record_round(
         self, session: Session, r: Round, reply: Reply, route_kind: str, prefill_worker: str, times: RoundTimes
@@ -452,12 +524,13 @@ class Gateway:
             "reason": r.route.reason, "l_hist": r.task.l_hist, "l_incr": r.task.l_incr,
             "queue_wait_s": times.queued_s, "ttft_s": reply.ttft_s, "mean_itl_s": reply.mean_itl_s,
             "completion_tokens": int(usage.get("completion_tokens", 0)), "started_at": r.task.created_at,
+            "migrations": r.migrations,
         }  # fmt: skip
         self._trace_round(session, r, reply, route_kind, prefill_worker, times)
         async with self.redis.pipeline(transaction=False) as pipe:
             self.stats.record(pipe, observations)
             self.sessions.record_round(pipe, session, record)
-            await pipe.execute()
+            await self._write(pipe, "round record")
         if reply.ttft_s is not None:
             self.metrics.ttft.labels(kind).observe(reply.ttft_s)
         if reply.mean_itl_s is not None:
@@ -498,7 +571,14 @@ class Gateway:
         transcript = ex.engine_messages if ex.engine_messages != conversation else None
         async with self.redis.pipeline(transaction=False) as pipe:
             self.sessions.save(pipe, ex.session, conversation, transcript)
+            await self._write(pipe, "session")
+
+    async def _write(self, pipe: aioredis.client.Pipeline, what: str) -> None:
+        """Shared state written after a round; lost, not fatal, while Redis is away."""
+        try:
             await pipe.execute()
+        except REDIS_DOWN as exc:
+            self.health.failed(what, exc)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -519,22 +599,31 @@ def create_app(config: GatewayConfig) -> FastAPI:
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    @app.exception_handler(aioredis.RedisError)
+    async def redis_error(request: Request, exc: aioredis.RedisError) -> JSONResponse:
+        """What cannot go on without Redis (a session's records, say) says so (gateway.outage)."""
+        gateway.health.failed("request", exc)
+        return await api_error(request, APIError(503, f"shared state unavailable: {exc}", code="redis_unavailable"))
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        """Ready while a decode worker is known. Without Redis the replica still serves
+        (gateway.outage), so it stays in rotation and says it is degraded."""
         problems = []
         try:
             await gateway.redis.ping()
-        except (aioredis.RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             problems.append(f"redis: {exc}")
-        if not any(w.info.decodes for w in gateway.pool.workers.values()):
+        serving = any(w.info.decodes for w in gateway.pool.workers.values())
+        if not serving:
             problems.append("no decode worker")
-        body = {"status": "ready" if not problems else "not ready", "problems": problems,
-                "workers": sorted(gateway.pool.workers)}  # fmt: skip
-        return JSONResponse(body, status_code=200 if not problems else 503)
+        status = "not ready" if not serving else "degraded" if problems else "ready"
+        body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers)}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -573,7 +662,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         client = Reply(started=ex.arrival)
         events = gateway.converse(ex, first_round, client)
         route = first_round.route
-        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}"}
+        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
+                   "X-AMPD-Decode-Worker": first_round.decode.info.worker_id}  # fmt: skip
         try:
             first = await anext(events)  # errors up to the first token still get a status code
         except UpstreamError as exc:

@@ -2,9 +2,11 @@
 
 shared/seeds/003_517589c8db448ff1.txt, section 3: a session is bound to a decode worker
 by memory usage, as Dynamo's KV router does; that worker keeps the session's KV and
-runs all its decoding. Scraped KV usage lags, so sessions this gateway bound since
-the last scrape count too: otherwise a burst of new sessions would all land on the
-worker that looked emptiest a second ago.
+runs all its decoding. Scraped KV usage lags - a session's KV reaches its decode
+worker only once its first prefill has run, queued and perhaps on a prefill worker -
+so sessions this gateway bound whose first round has not reached its decode worker
+count too: otherwise a burst of new sessions would all land on the worker that
+looked emptiest.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ class DecodeCandidate:
     worker_id: str
     kv_usage: float  # vllm:kv_cache_usage_perc at the last scrape, 0..1
     kv_capacity_tokens: int
-    pending_tokens: int = 0  # prompt tokens of sessions bound here since that scrape
+    arriving_tokens: int = 0  # prompt tokens of sessions bound here whose KV is not there yet
 
     @property
     def expected_usage(self) -> float:
-        return self.kv_usage + self.pending_tokens / max(self.kv_capacity_tokens, 1)
+        return self.kv_usage + self.arriving_tokens / max(self.kv_capacity_tokens, 1)
 
 
 def choose_decode_worker(candidates: Sequence[DecodeCandidate]) -> str:

@@ -51,6 +51,9 @@ class GatewayConfig(BaseModel):
     server_tools: tuple[str, ...] = Field(
         default=tuple(TOOLS), description="server-side tools requests may enable with `server_tools`"
     )
+    migration_limit: int = Field(
+        default=3, ge=0, description="times a round's stream may move off a lost decode worker (gateway.migration)"
+    )
     max_tool_rounds: int = Field(default=8, ge=1, description="server tool rounds per request before it stops")
 
     @field_validator("server_tools")

@@ -46,6 +46,17 @@ class GatewayMetrics:
             "ampd_tool_seconds", "Server-side tool call duration, queueing included.", ["tool"],
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.migrations = Counter(
+            "ampd_migrations", "Streams that lost their decode worker: moved on, or refused past the limit.",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        for outcome in ("moved", "refused"):
+            self.migrations.labels(outcome)
+        self.redis_up = Gauge("ampd_redis_up", "1 while Redis answers this replica, 0 during an outage.", registry=r)
+        self.redis_errors = Counter(
+            "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.outage).", ["what"],
+            registry=r,
+        )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
         self.sessions_active = Gauge(
             "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r

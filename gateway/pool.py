@@ -4,21 +4,27 @@ Refreshed in the background: the registry's live workers plus the statically
 configured ones, each scraped (``/metrics``) for KV usage and queue lengths. A worker
 that does not answer its scrape is left out of routing and binding until it does; a
 draining one stays reachable (``get``) for the streams it serves, but is offered for
-no new session or round.
+no new session or round. A worker that vanishes from the registry while it still
+answers its scrapes stays for one heartbeat TTL: a Redis restarted empty forgets every
+worker until their next beats (gateway.outage), while a worker that leaves for good
+drains first and stops answering.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from gateway.config import StaticWorker
+from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.upstream import EngineClient, UpstreamError, WorkerLoad
 from planner.profile import load_profile
-from workers.registry import WorkerInfo, live_workers
+from workers.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
 
 log = logging.getLogger(__name__)
 
@@ -27,24 +33,44 @@ log = logging.getLogger(__name__)
 class LiveWorker:
     info: WorkerInfo
     load: WorkerLoad
-    pending_tokens: int = 0  # prompt tokens of sessions bound here since the last scrape
 
 
 class WorkerPool:
     def __init__(
-        self, redis: aioredis.Redis, prefix: str, static: tuple[StaticWorker, ...], client: EngineClient
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        static: tuple[StaticWorker, ...],
+        client: EngineClient,
+        health: RedisHealth,
     ) -> None:
-        self.redis, self.prefix, self.static, self.client = redis, prefix, static, client
+        self.redis, self.prefix, self.static, self.client, self.health = redis, prefix, static, client, health
         self.workers: dict[str, LiveWorker] = {}
         self._static_infos: dict[str, WorkerInfo] = {}
+        # Prompt tokens of sessions bound to a worker that no scrape shows yet: their round is
+        # queued or prefilling elsewhere, or has reached the worker since the last scrape began.
+        self.arriving: Counter[str] = Counter()
+        self._landed: Counter[str] = Counter()  # of those, the ones already on their worker
+        self._registered_at: dict[str, float] = {}  # when the registry last listed each worker
 
     async def refresh(self) -> None:
+        landed, self._landed = self._landed, Counter()  # what this refresh's scrapes will show
+        now = time.monotonic()
+        last_view = [w.info for w in self.workers.values() if w.info.worker_id not in self._static_infos]
         try:
             registered = await live_workers(self.redis, self.prefix)
-        except (aioredis.RedisError, OSError) as exc:
-            log.warning("worker registry unreadable, keeping the last view: %s", exc)
-            registered = [w.info for w in self.workers.values() if w.info.worker_id not in self._static_infos]
-        infos = registered + await self._static()
+            self.health.answered()
+        except REDIS_DOWN as exc:  # keep the last view (gateway.outage)
+            self.health.failed("registry", exc)
+            registered = last_view
+        self._registered_at.update((info.worker_id, now) for info in registered)
+        listed = {info.worker_id for info in registered}
+        recent = [
+            info
+            for info in last_view
+            if info.worker_id not in listed and now - self._registered_at[info.worker_id] < HEARTBEAT_TTL_S
+        ]
+        infos = registered + recent + await self._static()
         loads = await asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True)
         fresh: dict[str, LiveWorker] = {}
         for info, load in zip(infos, loads, strict=True):
@@ -53,6 +79,7 @@ class WorkerPool:
                 continue
             fresh[info.worker_id] = LiveWorker(info, load)
         self.workers = fresh
+        self.arriving -= landed
 
     async def _static(self) -> list[WorkerInfo]:
         for spec in self.static:
@@ -84,6 +111,19 @@ class WorkerPool:
 
     def get(self, worker_id: str) -> LiveWorker | None:
         return self.workers.get(worker_id)
+
+    def expect(self, worker_id: str, tokens: int) -> None:
+        self.arriving[worker_id] += tokens
+
+    def arrived(self, worker_id: str, tokens: int) -> None:
+        """A bound round reached its decode worker: the next scrape will show its KV."""
+        self._landed[worker_id] += tokens
+
+    def forget(self, worker_id: str) -> None:
+        """Leave out a worker whose connection just failed, until its next good scrape."""
+        self.workers.pop(worker_id, None)
+        self.arriving.pop(worker_id, None)
+        self._landed.pop(worker_id, None)
 
     def serving(self, worker_id: str) -> LiveWorker | None:
         """The worker if it takes new rounds (live and not draining)."""

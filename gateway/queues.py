@@ -18,7 +18,8 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id):
 * ``{p}:ready:{replica}`` - pub/sub channel of each replica
 
 A replica renews the leases of the tasks it runs; a crashed replica's slots free
-themselves when the leases lapse.
+themselves when the leases lapse. While Redis is away, tasks start unqueued
+(gateway.outage).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.policies import Policy, pick
 from gateway.reordering import QueuedTask
 from gateway.routing import PrefillTask
@@ -106,6 +108,15 @@ class Dispatched:
     queued_s: float  # time from enqueue to dispatch
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """A task of this replica's, queued, and the future its round waits on."""
+
+    worker_id: str
+    enqueued: float
+    future: asyncio.Future[Dispatched]
+
+
 class PrefillQueues:
     def __init__(
         self,
@@ -117,12 +128,14 @@ class PrefillQueues:
         slots: int,
         max_queue: int,
         task_ttl_s: int,
+        health: RedisHealth,
     ) -> None:
         self.redis, self.p, self.replica_id = redis, prefix, replica_id
         self.policy, self.window, self.slots = policy, window, slots
-        self.max_queue, self.task_ttl_s = max_queue, task_ttl_s
-        self._waiting: dict[str, asyncio.Future[Dispatched]] = {}
+        self.max_queue, self.task_ttl_s, self.health = max_queue, task_ttl_s, health
+        self._waiting: dict[str, Waiting] = {}
         self._running: dict[str, str] = {}  # task id -> worker id, for lease renewal
+        self._unqueued: set[str] = set()  # tasks started without Redis: no slot to free
         self._workers: set[str] = set()
         self._active: set[str] = set()  # workers this replica is dispatching right now
         self._dirty: set[str] = set()  # ... and that got new work meanwhile
@@ -151,10 +164,8 @@ class PrefillQueues:
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self._channel(self.replica_id))
         self._tasks = [
-            asyncio.create_task(self._listen(pubsub), name="queues-listen"),
+            asyncio.create_task(self._listen(await self._subscribe()), name="queues-listen"),
             asyncio.create_task(self._sweep(), name="queues-sweep"),
             asyncio.create_task(self._renew(), name="queues-renew"),
         ]
@@ -171,14 +182,18 @@ class PrefillQueues:
     # -- the API the request path uses ---------------------------------------------
     async def queue_costs(self, worker_ids: Iterable[str]) -> dict[str, float]:
         ids = list(worker_ids)
-        values = await self.redis.mget([self._cost(w) for w in ids]) if ids else []
+        try:
+            values = await self.redis.mget([self._cost(w) for w in ids]) if ids else []
+        except REDIS_DOWN as exc:  # no queue to wait in: tasks start at once
+            self.health.failed("prefill queue", exc)
+            values = [None] * len(ids)
         return {w: max(0.0, float(v or 0.0)) for w, v in zip(ids, values, strict=True)}
 
     async def submit(self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float) -> Dispatched:
         """Queue ``task`` on ``worker_id`` and wait until it may run (its slot is then held)."""
         future: asyncio.Future[Dispatched] = asyncio.get_running_loop().create_future()
-        self._waiting[task.task_id] = future
         now = time.time()
+        self._waiting[task.task_id] = Waiting(worker_id, now, future)
         fields = {
             "created": repr(task.created_at),
             "enqueued": repr(now),
@@ -189,17 +204,24 @@ class PrefillQueues:
             "owner": self.replica_id,
         }
         flat = [x for pair in fields.items() for x in pair]
+        keys = [self._task(task.task_id), self._q(worker_id), self._cost(worker_id), self._inflight(worker_id)]
         try:
-            outcome = await self._enqueue(
-                keys=[self._task(task.task_id), self._q(worker_id), self._cost(worker_id), self._inflight(worker_id)],
-                args=[task.task_id, self.task_ttl_s, estimate_s, self.max_queue, now, self.slots, now + LEASE_S, *flat],
-            )
-            if outcome == -1:
-                raise QueueFull(f"the prefill queue of {worker_id} is full ({self.max_queue})")
-            if outcome == 2:  # straight to a free slot
-                self._running[task.task_id] = worker_id
-                return Dispatched(worker_id, task.task_id, 0.0)
-            await self.dispatch(worker_id)
+            try:
+                outcome = await self._enqueue(
+                    keys=keys,
+                    args=[task.task_id, self.task_ttl_s, estimate_s, self.max_queue, now, self.slots, now + LEASE_S,
+                          *flat],
+                )  # fmt: skip
+                if outcome == -1:
+                    raise QueueFull(f"the prefill queue of {worker_id} is full ({self.max_queue})")
+                if outcome == 2:  # straight to a free slot
+                    self._running[task.task_id] = worker_id
+                    return Dispatched(worker_id, task.task_id, 0.0)
+                await self.dispatch(worker_id)
+            except REDIS_DOWN as exc:
+                self.health.failed("prefill queue", exc)
+                if not future.done():
+                    self._start_unqueued(task.task_id)
             return await future
         except BaseException:
             await self._withdraw(worker_id, task.task_id, estimate_s, future)
@@ -214,13 +236,25 @@ class PrefillQueues:
     async def finish(self, worker_id: str, task_id: str) -> None:
         """The task's prefill is over: free its slot and start the next one."""
         self._running.pop(task_id, None)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self._inflight(worker_id), task_id)
-            pipe.delete(self._task(task_id))
-            pipe.llen(self._q(worker_id))
-            queued = (await pipe.execute())[2]
-        if queued:
-            await self.dispatch(worker_id)
+        if task_id in self._unqueued:
+            self._unqueued.discard(task_id)
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(self._inflight(worker_id), task_id)
+                pipe.delete(self._task(task_id))
+                pipe.llen(self._q(worker_id))
+                queued = (await pipe.execute())[2]
+            if queued:
+                await self.dispatch(worker_id)
+        except REDIS_DOWN as exc:  # the slot's lease lapses by itself
+            self.health.failed("prefill queue", exc)
+
+    def _start_unqueued(self, task_id: str) -> None:
+        """Start a waiting task without its queue (Redis is away: gateway.outage)."""
+        waiting = self._waiting[task_id]
+        self._unqueued.add(task_id)
+        waiting.future.set_result(Dispatched(waiting.worker_id, task_id, time.time() - waiting.enqueued))
 
     # -- dispatch --------------------------------------------------------------------
     async def dispatch(self, worker_id: str) -> None:
@@ -298,12 +332,12 @@ class PrefillQueues:
         return True
 
     def _hand_over(self, done: Dispatched) -> None:
-        future = self._waiting.get(done.task_id)
-        if future is None or future.done():  # its client left: give the slot back
+        waiting = self._waiting.get(done.task_id)
+        if waiting is None or waiting.future.done():  # its client left, or it started unqueued
             self._spawn(self.finish(done.worker_id, done.task_id))
             return
         self._running[done.task_id] = done.worker_id
-        future.set_result(done)
+        waiting.future.set_result(done)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -313,7 +347,7 @@ class PrefillQueues:
     async def _withdraw(self, worker_id: str, task_id: str, estimate_s: float, future: asyncio.Future) -> None:
         """A waiting task's client went away: take the task out of the queue, or out of
         flight if it was dispatched meanwhile."""
-        with contextlib.suppress(aioredis.RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             removed = await self.redis.lrem(self._q(worker_id), 1, task_id)
             if removed:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -324,24 +358,48 @@ class PrefillQueues:
                 await self.finish(worker_id, task_id)
 
     # -- background ------------------------------------------------------------------
-    async def _listen(self, pubsub) -> None:
-        async for message in pubsub.listen():
-            if message.get("type") != "message":
-                continue
-            worker_id, task_id, queued = message["data"].split("|")
-            self._hand_over(Dispatched(worker_id, task_id, float(queued)))
+    async def _subscribe(self) -> aioredis.client.PubSub:
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(self._channel(self.replica_id))
+        except REDIS_DOWN as exc:  # listened to again once Redis answers (_listen)
+            self.health.failed("dispatch notices", exc)
+        return pubsub
+
+    async def _listen(self, pubsub: aioredis.client.PubSub) -> None:
+        """Tasks of this replica's that other replicas dispatched. The subscription is made
+        again whenever it breaks (a Redis restart forgets it)."""
+        while True:
+            try:
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    worker_id, task_id, queued = message["data"].split("|")
+                    self._hand_over(Dispatched(worker_id, task_id, float(queued)))
+            except REDIS_DOWN as exc:
+                self.health.failed("dispatch notices", exc)
+            await asyncio.sleep(SWEEP_S * 5)
+            with contextlib.suppress(*REDIS_DOWN):
+                await pubsub.aclose()
+            pubsub = await self._subscribe()
 
     async def _sweep(self) -> None:
         """Dispatch every known queue now and then: slots freed by other replicas, or by
-        leases that lapsed, are taken up even when no local event triggers it."""
+        leases that lapsed, are taken up even when no local event triggers it. When Redis
+        does not answer, this replica's waiting tasks start unqueued: their queue may be
+        gone with it."""
         while True:
             await asyncio.sleep(SWEEP_S)
             for worker_id in list(self._workers):
                 try:
                     if await self.redis.llen(self._q(worker_id)):
                         await self.dispatch(worker_id)
-                except (aioredis.RedisError, OSError) as exc:
-                    log.warning("prefill queue sweep failed: %s", exc)
+                except REDIS_DOWN as exc:
+                    self.health.failed("prefill queue", exc)
+                    for task_id, waiting in list(self._waiting.items()):
+                        if not waiting.future.done():
+                            self._start_unqueued(task_id)
+                    break
 
     async def _renew(self) -> None:
         while True:

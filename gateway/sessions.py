@@ -10,7 +10,9 @@ a system prompt (or any other prefix) are never merged. Every id and hash is sco
 to the caller's API key.
 
 State lives in Redis with a TTL refreshed by every round, so bindings survive gateway
-restarts and every replica sees the same session.
+restarts and every replica sees the same session. Each replica also keeps its own copy
+of the sessions it saved last, which it falls back on when Redis does not answer or no
+longer has them (restarted empty): see gateway.outage.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.outage import REDIS_DOWN, RedisHealth
+
 MAX_ROUND_RECORDS = 1000
+HELD = 10_000  # sessions a replica keeps its own copy of (with transcripts and conversation keys)
 ACTIVE_WINDOW_S = 300  # a session with an exchange this recent counts as active (agents wait on tools)
 
 
@@ -95,8 +101,16 @@ def conversation_hashes(scope: str, messages: Sequence[Mapping[str, Any]]) -> li
 
 
 class SessionStore:
-    def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int) -> None:
-        self.redis, self.p, self.ttl_s = redis, prefix, ttl_s
+    def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int, health: RedisHealth) -> None:
+        self.redis, self.p, self.ttl_s, self.health = redis, prefix, ttl_s, health
+        # Redis key -> what was last written there by this replica, newest last.
+        self._held: OrderedDict[str, Any] = OrderedDict()
+
+    def _hold(self, key: str, value: Any) -> None:
+        self._held[key] = value
+        self._held.move_to_end(key)
+        while len(self._held) > 3 * HELD:
+            self._held.popitem(last=False)
 
     def _key(self, scope: str, session_id: str) -> str:
         return f"{self.p}:session:{scope}:{session_id}"
@@ -105,9 +119,15 @@ class SessionStore:
         return f"{self.p}:conversation:{scope}:{digest}"
 
     async def load(self, scope: str, session_id: str) -> Session | None:
-        fields = await self.redis.hgetall(self._key(scope, session_id))
+        key = self._key(scope, session_id)
+        try:
+            fields = await self.redis.hgetall(key)
+        except REDIS_DOWN as exc:
+            self.health.failed("session", exc)
+            fields = {}
         if not fields:
-            return None
+            held = self._held.get(key)
+            return None if held is None else replace(held)
         return Session(
             session_id=session_id,
             scope=scope,
@@ -146,12 +166,18 @@ class SessionStore:
         key = self._key(session.scope, session.session_id)
         pipe.hset(key, mapping=fields)
         pipe.expire(key, self.ttl_s)
+        self._hold(key, replace(session))
+        transcript_key = self._transcript(session.scope, session.session_id)
         if transcript is not None:
-            pipe.set(self._transcript(session.scope, session.session_id), json.dumps(list(transcript)), ex=self.ttl_s)
+            pipe.set(transcript_key, json.dumps(list(transcript)), ex=self.ttl_s)
+            self._hold(transcript_key, list(transcript))
         else:
-            pipe.delete(self._transcript(session.scope, session.session_id))
+            pipe.delete(transcript_key)
+            self._held.pop(transcript_key, None)
         if not session.explicit_id:
-            pipe.set(self._conversation(session.scope, session.conversation_hash), session.session_id, ex=self.ttl_s)
+            conversation_key = self._conversation(session.scope, session.conversation_hash)
+            pipe.set(conversation_key, session.session_id, ex=self.ttl_s)
+            self._hold(conversation_key, session.session_id)
         pipe.zadd(f"{self.p}:active", {f"{session.scope}:{session.session_id}": time.time()})
 
     async def active(self) -> int:
@@ -177,16 +203,26 @@ class SessionStore:
         return [json.loads(r) for r in await self.redis.lrange(self._rounds(scope, session_id), 0, -1)]
 
     async def transcript(self, scope: str, session_id: str) -> list[dict[str, Any]] | None:
-        raw = await self.redis.get(self._transcript(scope, session_id))
-        return None if raw is None else json.loads(raw)
+        key = self._transcript(scope, session_id)
+        try:
+            raw = await self.redis.get(key)
+        except REDIS_DOWN as exc:
+            self.health.failed("session", exc)
+            raw = None
+        return self._held.get(key) if raw is None else json.loads(raw)
 
     async def infer(self, scope: str, hashes: Sequence[str]) -> str | None:
         """The session whose stored conversation is the longest proper prefix of the
         request's messages (``hashes`` = conversation_hashes of them)."""
-        prefixes = list(hashes[:-1])
-        if not prefixes:
+        keys = [self._conversation(scope, h) for h in hashes[:-1]]
+        if not keys:
             return None
-        found = await self.redis.mget([self._conversation(scope, h) for h in prefixes])
+        try:
+            found = await self.redis.mget(keys)
+        except REDIS_DOWN as exc:
+            self.health.failed("session", exc)
+            found = [None] * len(keys)
+        found = [sid or self._held.get(key) for sid, key in zip(found, keys, strict=True)]
         return next((sid for sid in reversed(found) if sid), None)
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from gateway.outage import REDIS_DOWN, RedisHealth
+
 # ARGV: key prefix, first second, window, then (series, worker) pairs; returns sum, count per pair.
 _MEANS = """
 local out = {}
@@ -38,8 +40,8 @@ return out
 
 
 class WindowedStats:
-    def __init__(self, redis: aioredis.Redis, prefix: str, window_s: int) -> None:
-        self.redis, self.prefix, self.window_s = redis, f"{prefix}:stat:", window_s
+    def __init__(self, redis: aioredis.Redis, prefix: str, window_s: int, health: RedisHealth) -> None:
+        self.redis, self.prefix, self.window_s, self.health = redis, f"{prefix}:stat:", window_s, health
         self._means = redis.register_script(_MEANS)
 
     def record(
@@ -59,7 +61,8 @@ class WindowedStats:
                 pipe.expire(key, self.window_s + 2)
 
     async def means(self, wanted: Iterable[tuple[str, str]], now: float | None = None) -> dict[tuple[str, str], float]:
-        """Windowed mean of each (series, worker) that has samples in the window."""
+        """Windowed mean of each (series, worker) that has samples in the window; none
+        while Redis is away (routing then goes by profile estimates: gateway.outage)."""
         wanted = list(wanted)
         if not wanted:
             return {}
@@ -67,7 +70,11 @@ class WindowedStats:
         args: list[object] = [self.prefix, last - self.window_s + 1, self.window_s]
         for series, worker_id in wanted:
             args += [series, worker_id]
-        flat = await self._means(args=args)
+        try:
+            flat = await self._means(args=args)
+        except REDIS_DOWN as exc:
+            self.health.failed("statistics", exc)
+            return {}
         out: dict[tuple[str, str], float] = {}
         for item, total, count in zip(wanted, flat[0::2], flat[1::2], strict=True):
             if int(count):

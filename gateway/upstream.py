@@ -35,11 +35,12 @@ KEEPALIVE_S = 4.0  # below uvicorn's default timeout_keep_alive of 5 s
 
 
 class UpstreamError(Exception):
-    """A worker failed or answered with an error; ``status``/``body`` are its answer, if any."""
+    """A worker failed or answered with an error; ``status``/``body`` are its answer, if any.
+    ``lost``: the connection itself failed (the worker died or hung), not the request."""
 
-    def __init__(self, message: str, status: int = 502, body: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, status: int = 502, body: dict[str, Any] | None = None, lost: bool = False) -> None:
         super().__init__(message)
-        self.status, self.body = status, body
+        self.status, self.body, self.lost = status, body, lost
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,12 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
 
-    async def tokenize(self, url: str, model: str, messages: list[Any], tools: list[Any] | None) -> int:
+    async def tokenize(
+        self, url: str, model: str, messages: list[Any], tools: list[Any] | None, continue_final_message: bool = False
+    ) -> int:
         body: dict[str, Any] = {"model": model, "messages": messages}
+        if continue_final_message:  # the prompt of a continued message (gateway.migration)
+            body.update(add_generation_prompt=False, continue_final_message=True)
         if tools:
             body["tools"] = tools
         return int((await self._post(f"{url}/tokenize", body, attempts=2))["count"])  # idempotent: may retry
@@ -210,7 +215,7 @@ class EngineClient:
                     if relay:
                         yield b"".join(relay)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+            raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
 
     async def load(self, url: str) -> WorkerLoad:
         return parse_load(await self._get(f"{url}/metrics", 2.0))
@@ -242,9 +247,9 @@ class EngineClient:
                     return await r.json()
             except aiohttp.ClientConnectionError as exc:
                 if attempt == attempts:
-                    raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+                    raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
             except (aiohttp.ClientError, TimeoutError) as exc:
-                raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+                raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
         raise AssertionError("unreachable: the last attempt returns or raises")
 
 

@@ -217,6 +217,30 @@ def test_any_role_the_template_renders_is_accepted(engine: Engine):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
 
 
+def test_a_final_assistant_message_is_continued(engine: Engine):
+    """``continue_final_message`` (what request migration sends: gateway.migration): the
+    prompt is the round's prompt followed by the text so far, and generation goes on from
+    it. Both it and ``add_generation_prompt`` at once is the chat template's error, a 400."""
+    partial = "The weather in Paris is"
+    continued = [*USER, {"role": "assistant", "content": partial}]
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    open_prompt = post(engine, "/tokenize", {"messages": USER}).json()["count"]
+    prompt = post(engine, "/tokenize", {"messages": continued, **ending}).json()["count"]
+    reply = chat(engine, messages=continued, max_tokens=4, **ending)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == prompt > open_prompt
+    if engine.kind == "sim":  # its template opens the assistant turn the same way in both
+        text = post(engine, "/tokenize", {"prompt": partial, "add_special_tokens": False}).json()["count"]
+        assert prompt == open_prompt + text
+    both = chat(engine, messages=continued, continue_final_message=True, max_tokens=4)
+    assert both.status_code == 400
+    assert both.json()["error"]["message"].startswith("continue_final_message and add_generation_prompt are not")
+    explicit = {"continue_final_message": True, "add_generation_prompt": True}  # set by the client, both
+    both = post(engine, "/tokenize", {"messages": continued, **explicit})
+    assert both.status_code == 400
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in both.json()["error"]["message"]
+
+
 def test_malformed_json_is_a_400(engine: Engine):
     response = httpx.post(
         f"{engine.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}

@@ -206,7 +206,7 @@ def test_queue_disciplines():
 
 
 def test_binding_picks_the_lowest_expected_kv_usage():
-    candidates = [DecodeCandidate("a", 0.30, 100_000), DecodeCandidate("b", 0.20, 100_000, pending_tokens=20_000)]
+    candidates = [DecodeCandidate("a", 0.30, 100_000), DecodeCandidate("b", 0.20, 100_000, arriving_tokens=20_000)]
     assert choose_decode_worker(candidates) == "a"  # b's scrape is stale: 0.2 + 0.2 expected
     assert choose_decode_worker([DecodeCandidate("a", 0.3, 10), DecodeCandidate("b", 0.1, 10)]) == "b"
     with pytest.raises(ValueError):

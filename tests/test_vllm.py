@@ -169,6 +169,7 @@ test_metrics_use_vllm_names = protocol.test_metrics_use_vllm_names
 test_errors_have_openai_shape = protocol.test_errors_have_openai_shape
 test_prompt_length_is_checked_in_chars_then_tokens = protocol.test_prompt_length_is_checked_in_chars_then_tokens
 test_any_role_the_template_renders_is_accepted = protocol.test_any_role_the_template_renders_is_accepted
+test_a_final_assistant_message_is_continued = protocol.test_a_final_assistant_message_is_continued
 test_malformed_json_is_a_400 = protocol.test_malformed_json_is_a_400
 test_client_disconnect_aborts_and_frees_kv = protocol.test_client_disconnect_aborts_and_frees_kv
 test_prefill_returns_nixl_transfer_params = protocol.test_prefill_returns_nixl_transfer_params
@@ -234,6 +235,22 @@ def test_a_tool_session_through_the_gateway_hands_kv_over_with_nixl(vllm, gatewa
         ("initial", "remote"), ("incremental", "local"), ("incremental", "remote"), ("incremental", "local"),
     ]  # fmt: skip
     assert all(r["ttft_s"] > 0 for r in body["rounds"])
+
+
+def test_a_failed_kv_pull_is_recomputed_on_the_decode_engine(vllm):
+    """The prefill engine's side channel is unreachable (its port is dead): the decode
+    engine's NIXL handshake fails, and with kv_load_failure_policy "recompute" it prefills
+    the prompt itself and answers, rather than failing the round with a 500."""
+    prefill, decode, _ = vllm
+    messages = [{"role": "user", "content": f"Recompute me {uuid.uuid4().hex}."}]
+    first = protocol.chat(prefill, messages=messages, max_tokens=1, kv_transfer_params=protocol.NIXL_PARAMS)
+    assert first.status_code == 200, first.text
+    params = dict(first.json()["kv_transfer_params"], remote_port=free_port(), remote_engine_id=uuid.uuid4().hex)
+    before = decode.metrics()["vllm:nixl_xfer_time_seconds_count"]
+    second = protocol.chat(decode, messages=messages, kv_transfer_params=params, max_tokens=4)
+    assert second.status_code == 200, second.text
+    assert second.json()["usage"]["completion_tokens"] == 4
+    assert decode.metrics()["vllm:nixl_xfer_time_seconds_count"] == before  # nothing came over NIXL
 
 
 def test_sigterm_drains_the_decode_worker(vllm, gateways):

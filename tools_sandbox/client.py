@@ -7,7 +7,8 @@ result in short slices and gives up with a tool error - never a hang - when:
 * the job is running but its worker stopped heartbeating: tools workers heartbeat
   every second (``job_monitoring_interval=1``), so a killed worker is noticed within
   ``stale_after_s``;
-* no worker picked the job up before the deadline.
+* no worker picked the job up before the deadline;
+* Redis, which carries the jobs, does not answer.
 
 rq is synchronous; the waiting happens on a dedicated thread pool.
 """
@@ -45,7 +46,13 @@ class ToolRunner:
         self.connection.close()
 
     async def run(self, name: str, arguments: str) -> Outcome:
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._run, name, arguments)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._attempt, name, arguments)
+
+    def _attempt(self, name: str, arguments: str) -> Outcome:
+        try:
+            return self._run(name, arguments)
+        except (redis.RedisError, OSError) as exc:
+            return Outcome(False, f"{name} tool error: the tools queue is unavailable ({exc})")
 
     def _run(self, name: str, arguments: str) -> Outcome:
         tool = TOOLS.get(name)

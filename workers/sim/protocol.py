@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.sim.responder import Reply, SimScript
 
@@ -85,14 +85,21 @@ class _Generation(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(_Generation):
+class _ChatTemplate(_Request):
+    """How the chat template ends the prompt: open a new assistant turn, or continue the
+    last message (both at once is the template's error: workers.sim.tokenizer.render_chat)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class ChatCompletionRequest(_ChatTemplate, _Generation):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     logprobs: bool = False
-    add_generation_prompt: bool = True
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -126,11 +133,18 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(_ChatTemplate):
     model: str | None = None
     messages: list[Message]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_ending(cls, data: Any) -> Any:
+        """vLLM's check on what the client set itself (a default does not count), in its words."""
+        if isinstance(data, dict) and data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return data
+
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: list[Tool] | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -229,6 +229,11 @@ class Reply:
     def text(self) -> str:
         return "".join(self.pieces)
 
+    def after(self, n: int) -> Reply:
+        """The rest of the reply once its first ``n`` tokens are out (a continued message)."""
+        done = len("".join(self.pieces[:n]))
+        return Reply(self.content[done:], self.tool_calls, self.token_ids[n:], self.pieces[n:], self.stop_reason)
+
     def prefix(self, n: int) -> Reply:
         """The reply as far as its first ``n`` tokens: what a client got if cut there."""
         if n >= len(self.token_ids):
@@ -257,7 +262,20 @@ class Responder:
         script: SimScript | None,
         seed: int | None,
         length: Length,
+        continue_final_message: bool = False,
     ) -> Reply:
+        """The reply to a chat request. Continuing a final assistant message, the reply is
+        what the same request without that message would have said after its text - the
+        same seed continues exactly where an interrupted stream stopped - or, when the
+        text is not how that reply begins (an unseeded request), new text after it."""
+        if continue_final_message and messages and messages[-1].get("role") == "assistant":
+            history, partial = messages[:-1], message_text(messages[-1].get("content"))
+            done = len(self.tokenizer.pieces(partial))
+            longer = replace(length, max_tokens=length.max_tokens + done)
+            whole = self.chat(history, tools, tool_choice, parallel_tool_calls, script, seed, longer)
+            if "".join(whole.pieces[:done]) == partial:
+                return whole.after(done)
+            return self.chat(history, tools, tool_choice, parallel_tool_calls, script, seed, length)
         rng = _rng(seed)
         offered = {t.get("function", {}).get("name"): t.get("function", {}) for t in tools or []}
         planned = self._planned_round(messages, script)

@@ -281,7 +281,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         if "messages" in body:
             chat = _parse(p.TokenizeChatRequest, body)
             w.check_model(chat.model)
-            text = render_chat(_messages(chat.messages), _tools(chat.tools), chat.add_generation_prompt)
+            text = _render(_messages(chat.messages), _tools(chat.tools), chat)
         else:
             plain = _parse(p.TokenizeCompletionRequest, body)
             w.check_model(plain.model)
@@ -300,7 +300,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         w.check_model(body.model)
         _reject_unsupported(body.n, body.logprobs)
         messages, tools = _messages(body.messages), _tools(body.tools)
-        prompt_ids = w.encode_prompt(render_chat(messages, tools, body.add_generation_prompt))
+        prompt_ids = w.encode_prompt(_render(messages, tools, body))
         requested, param = body.requested_max_tokens
         length = _length(body, w.max_tokens_for(len(prompt_ids), requested, param))
         try:
@@ -312,6 +312,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
                 body.sim_script,
                 body.seed,
                 length,
+                body.continue_final_message,
             )
         except ScriptError as exc:
             raise p.EngineError(400, str(exc), param="sim_script") from exc
@@ -448,6 +449,18 @@ def _messages(messages: list[p.Message]) -> list[dict[str, Any]]:
     if not messages:  # vLLM's words, and no param
         raise p.EngineError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
     return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def _render(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    ending: p.ChatCompletionRequest | p.TokenizeChatRequest,
+) -> str:
+    """The chat template; what it rejects is the client's error, as in vLLM."""
+    try:
+        return render_chat(messages, tools, ending.add_generation_prompt, ending.continue_final_message)
+    except ValueError as exc:
+        raise p.EngineError(400, str(exc)) from exc
 
 
 def _tools(tools: list[p.Tool] | None) -> list[dict[str, Any]] | None:

@@ -89,13 +89,22 @@ def render_chat(
     messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
     """The prompt text for a chat request (the engine's chat template).
 
     An assistant turn renders as its content followed by its tool calls and END, the
     exact text the engine generates for it, so a conversation's next request extends
-    the previous prompt plus output.
+    the previous prompt plus output. With ``continue_final_message`` the last message
+    stays open (no END): the engine goes on writing it, and the prompt is the original
+    round's prompt followed by the text already generated.
     """
+    if continue_final_message and add_generation_prompt:  # transformers' words, which vLLM passes on
+        raise ValueError(
+            "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when "
+            "you want the model to continue the final message, and add_generation_prompt when you want to add a "
+            "header that will prompt it to start a new assistant message instead."
+        )
     parts = [BOS]
     if tools:
         parts.append(f"{START}tools\n{json.dumps(list(tools), sort_keys=True)}{END}\n")
@@ -106,7 +115,9 @@ def render_chat(
             fn = call.get("function", {})
             text += render_tool_call(fn.get("name", ""), _arguments(fn.get("arguments")))
         parts.append(f"{START}{role}\n{text}{END}\n")
-    if add_generation_prompt:
+    if continue_final_message:
+        parts[-1] = parts[-1].removesuffix(f"{END}\n")
+    elif add_generation_prompt:
         parts.append(f"{START}assistant\n")
     return "".join(parts)
 

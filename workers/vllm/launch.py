@@ -4,7 +4,9 @@ Every engine gets vLLM's NixlConnector with ``kv_role: kv_both``, whatever its a
 role. The role is ampd's (which work the gateway sends it); the connector must let a
 decode worker both pull a remote prefill's KV and prefill locally (AMPD's local
 incremental prefill, shared/seeds/003_517589c8db448ff1.txt section 4.1), and lets a
-deployment flip a worker's role without restarting its engine.
+deployment flip a worker's role without restarting its engine. A KV pull that fails (the
+NIXL handshake timing out, the prefill engine gone) recomputes the missing blocks on the
+decode engine instead of failing the round: the round still answers, only slower.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ class VllmLaunch:
 
 
 def kv_transfer_config(launch: VllmLaunch) -> dict[str, str]:
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": launch.kv_buffer_device}
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": launch.kv_buffer_device,
+        "kv_load_failure_policy": "recompute",
+    }
 
 
 def server_argv(launch: VllmLaunch) -> list[str]:
