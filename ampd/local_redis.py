@@ -7,6 +7,7 @@ with nothing but Python still works). The private server keeps nothing on disk.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -40,10 +41,26 @@ def answers(url: str) -> bool:
         return False
 
 
+# Below Linux's default ephemeral range (32768-60999): a port handed out from here cannot
+# be taken meanwhile by an outgoing connection or a bind to port 0 - vLLM's own ZMQ
+# sockets do that - before the server it is meant for binds it, a minute later for vLLM.
+SERVER_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, for a server about to start; never the same twice in one process."""
+    for port in random.sample(SERVER_PORTS, 256):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS.start}-{SERVER_PORTS.stop - 1}")
 
 
 def server_binary() -> tuple[str, str] | None:

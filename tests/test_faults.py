@@ -286,8 +286,11 @@ def test_the_gateway_serves_through_a_redis_restart(tmp_path):
         while httpx.get(f"{gateway.url}/readyz").json()["status"] != "ready":
             assert time.monotonic() < deadline, "the gateway never saw Redis again"
             time.sleep(0.2)
-        time.sleep(1.5)
-        assert metric("ampd_redis_up") == 1.0
+        deadline = time.monotonic() + 10
+        while metric("ampd_redis_up") != 1.0:  # a pooled connection from before the restart may fail once more
+            assert time.monotonic() < deadline, "ampd_redis_up stayed 0"
+            time.sleep(0.2)
+        time.sleep(1.0)
         assert httpx.get(f"{gateway.url}/v1/sessions/s0").status_code == 200  # written again
     finally:
         done.set()
