@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -592,6 +593,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="ampd gateway", lifespan=lifespan)
     app.state.gateway = gateway
+    app.openapi = lambda: _document(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -680,6 +682,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(body, headers=headers)
 
     return app
+
+
+def _document(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI document plus the chat request's body, which FastAPI cannot see:
+    the route reads its body itself, for the size limit and OpenAI-shaped errors."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        body = ChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(body.pop("$defs", {}), ChatRequest=body)
+        content = {"application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}
+        document["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {"required": True, "content": content}
+        app.openapi_schema = document
+    return app.openapi_schema
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
