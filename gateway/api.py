@@ -84,6 +84,24 @@ class ChatRequest(_Open):
     server_tools: list[str] | None = Field(default=None, description="server-side tools to enable (ampd extension)")
 
 
+def check_tool_messages(messages: list[Message]) -> None:
+    """Each ``tool`` message answers a call of the assistant message before it (tool
+    messages in between): a result with no call would reach the model out of context."""
+    calls: set[str] | None = None  # ids the current assistant turn called; None: no calls to answer
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            calls = {c.id for c in message.tool_calls or []} if message.tool_calls else None
+        elif message.role == "tool":
+            if calls is None:
+                raise APIError(400, f"messages.{i}: a 'tool' message must follow an assistant message with "
+                               "'tool_calls'", param="messages")  # fmt: skip
+            if message.tool_call_id and "" not in calls and message.tool_call_id not in calls:
+                raise APIError(400, f"messages.{i}: tool_call_id {message.tool_call_id!r} answers no call of the "
+                               "assistant message before it", param="messages")  # fmt: skip
+        else:
+            calls = None
+
+
 def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
     first = errors[0] if errors else {}

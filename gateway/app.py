@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from gateway.api import APIError, ChatRequest, validation_error
+from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.binding import DecodeCandidate, choose_decode_worker
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -195,6 +195,7 @@ class Gateway:
             request = ChatRequest.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(exc) from exc
+        check_tool_messages(request.messages)
         model = self.resolve_model(request.model)
         server_tools = self._enabled_tools(request)
         engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]

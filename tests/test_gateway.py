@@ -246,8 +246,20 @@ def test_a_shared_system_prompt_does_not_merge_sessions(stack):
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**8}, 400, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]}, 400, "tools"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "function", "function": {"name": "f", "parameters": "an object, not a string"}}]},
+         400, "tools"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "out of the blue"}]},
+         400, "messages"),
+        ({"model": MODEL, "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c2", "content": "answers another call"}]}, 400, "messages"),
     ],
-)
+)  # fmt: skip
 def test_bad_requests_get_openai_errors(stack, body, status, param):
     response = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == status, response.text
@@ -258,8 +270,9 @@ def test_bad_requests_get_openai_errors(stack, body, status, param):
 def test_oversized_and_malformed_bodies(stack):
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}
     assert httpx.post(f"{stack.url}/v1/chat/completions", json=huge, timeout=30).status_code == 413
-    bad = httpx.post(f"{stack.url}/v1/chat/completions", content=b"{nope", timeout=30)
-    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    for raw in (b"{nope", b'{"model": "\xff\xfe", "messages": []}'):  # not JSON; not UTF-8
+        bad = httpx.post(f"{stack.url}/v1/chat/completions", content=raw, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
 
 
 def test_api_keys_and_no_workers(tmp_path, stack):
