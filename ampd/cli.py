@@ -186,6 +186,9 @@ def gateway(
         str | None, typer.Option(envvar="OTEL_EXPORTER_OTLP_ENDPOINT", help="export per-round spans (OTLP/HTTP)")
     ] = None,
     log_level: str = "warning",
+    log_content: Annotated[
+        bool, typer.Option(help="log every exchange's messages and reply; off, no prompt text reaches a log")
+    ] = False,
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
     import uvicorn
@@ -220,7 +223,13 @@ def gateway(
         server_tools=tuple(t for t in server_tools.split(",") if t),
         max_tool_rounds=max_tool_rounds,
         migration_limit=migration_limit,
+        log_content=log_content,
     )
+    if log_content:
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("ampd.content").setLevel(logging.INFO)
     if otlp_endpoint:
         from gateway.tracing import configure_otlp
 
@@ -450,6 +459,42 @@ def bench_overhead(
 
     level_list = [int(x) for x in levels.split(",")]
     raise typer.Exit(run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, out))
+
+
+@bench_app.command("load")
+def bench_load(
+    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 1000,
+    minutes: Annotated[float, typer.Option(help="how long the gateway run lasts")] = 10.0,
+    baseline_minutes: Annotated[float, typer.Option(help="how long the direct run (the baseline) lasts")] = 3.0,
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 10.0,
+    policy: Annotated[str, typer.Option(help="gateway policy; coloc keeps the comparison to the gateway")] = "coloc",
+    rounds: int = 4,
+    output_tokens: int = 20,
+    think_min_s: float = 4.0,
+    think_max_s: float = 12.0,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Agent sessions for minutes through the gateway: lost rounds, errors, memory, added latency."""
+    from ampd.bench_load import LoadShape, run_load_bench
+
+    shape = LoadShape(rounds=rounds, output_tokens=output_tokens, think_s=(think_min_s, think_max_s))
+    raise typer.Exit(run_load_bench(console, agents, minutes, baseline_minutes, speed, policy, shape, out))
+
+
+@bench_app.command("chaos")
+def bench_chaos(
+    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 24,
+    minutes: float = 5.0,
+    interval_s: Annotated[float, typer.Option(help="seconds between faults")] = 15.0,
+    down_s: Annotated[float, typer.Option(help="seconds a killed part stays down")] = 3.0,
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 2.0,
+    rounds: Annotated[int, typer.Option(help="model calls per session")] = 3,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Agent sessions while decode/prefill/tools workers, Redis and gateway replicas are killed in turn."""
+    from ampd.bench_chaos import run_chaos_bench
+
+    raise typer.Exit(run_chaos_bench(console, agents, minutes, interval_s, down_s, speed, rounds, out))
 
 
 @bench_app.command("run")

@@ -11,12 +11,12 @@ tokens, so the live run and planner.simulator see the same work.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+import orjson
 
 from planner.trace import TraceSession
 
@@ -56,7 +56,7 @@ def _script(session: TraceSession) -> dict:
 
 
 @dataclass(frozen=True)
-class _Streamed:
+class Streamed:
     message: dict  # the assistant turn, as the conversation continues with it
     sent: float
     first_token: float | None  # first content or tool-call delta
@@ -64,17 +64,27 @@ class _Streamed:
     completion_tokens: int  # the engine's count (usage), EOS included
 
 
-async def _round(client: httpx.AsyncClient, url: str, body: dict, session_id: str) -> _Streamed:
+def agent_client(connections: int) -> aiohttp.ClientSession:
+    """The HTTP client of many concurrent agents. aiohttp rather than httpx for the reason
+    the gateway's EngineClient gives: at hundreds of open streams httpx's pool made the
+    load generator, not the system under test, the bottleneck. Idle connections are
+    dropped after 4 s, before uvicorn's 5 s keep-alive closes them from its side - a
+    request sent on a connection the server is closing at that moment would fail."""
+    connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=4.0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600.0))
+
+
+async def stream_round(client: aiohttp.ClientSession, url: str, body: dict, session_id: str) -> Streamed:
+    """One streamed chat completion; RuntimeError for a non-200 answer or an error event."""
     content, calls, stamps, finished, tokens = "", {}, [], None, 0
     sent = time.perf_counter()
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
-                             headers={"X-Session-Id": session_id}) as response:  # fmt: skip
-        if response.status_code != 200:
-            raise RuntimeError(f"round of {session_id}: {response.status_code} {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
+    async with client.post(f"{url}/v1/chat/completions", json=body, headers={"X-Session-Id": session_id}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"round of {session_id}: {response.status} {(await response.read())[:300]!r}")
+        async for raw in response.content:
+            if not raw.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[6:])
+            chunk = orjson.loads(raw[6:])
             if "error" in chunk:
                 raise RuntimeError(f"round of {session_id}: {chunk['error']}")
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
@@ -96,11 +106,11 @@ async def _round(client: httpx.AsyncClient, url: str, body: dict, session_id: st
     message: dict = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return _Streamed(message, sent, stamps[0] if stamps else None, finished, tokens)
+    return Streamed(message, sent, stamps[0] if stamps else None, finished, tokens)
 
 
 async def _session(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     index: int,
     session: TraceSession,
@@ -114,7 +124,7 @@ async def _session(
     for k, spec in enumerate(session.rounds):
         body = {"messages": messages, "tools": [TOOL], "stream": True, "sim_script": script,
                 "stream_options": {"include_usage": True}}  # fmt: skip
-        got = await _round(client, url, body, session.session_id)
+        got = await stream_round(client, url, body, session.session_id)
         if got.first_token is None or got.finished is None:
             raise RuntimeError(f"round {k} of {session.session_id} streamed no tokens")
         # Per token, as the gateway and the simulator count it: the engine's tokens, not the
@@ -139,8 +149,7 @@ async def replay(
 ) -> list[LiveRound]:
     """Every session of the trace against the gateway at ``url``; ``on_round`` hears of each
     round as it completes (a progress bar)."""
-    limits = httpx.Limits(max_connections=len(sessions) + 8, max_keepalive_connections=len(sessions) + 8)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+    async with agent_client(len(sessions) + 8) as client:
         start = time.perf_counter() + 0.5
         first = min(s.arrival_s for s in sessions)
         shifted = [s.model_copy(update={"arrival_s": s.arrival_s - first}) for s in sessions]

@@ -82,6 +82,7 @@ class ChatRequest(_Open):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
     server_tools: list[str] | None = Field(default=None, description="server-side tools to enable (ampd extension)")
+    cache_salt: str | None = Field(default=None, min_length=1, description="vLLM's prefix-cache salt")
 
 
 def check_tool_messages(messages: list[Message]) -> None:

@@ -31,6 +31,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.binding import DecodeCandidate, choose_decode_worker
@@ -53,6 +55,8 @@ from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool
 
 log = logging.getLogger(__name__)
+content_log = logging.getLogger("ampd.content")  # prompts and replies: only with config.log_content
+PUBLIC_SCOPE = "public"  # the one scope of a gateway without API keys
 REDIS_CONNECTIONS = 256
 # Load signals of candidate workers: queued prefill seconds, and windowed (series, worker) means.
 Signals = tuple[dict[str, float], dict[tuple[str, str], float]]
@@ -80,6 +84,9 @@ class Exchange:
         body["messages"] = self.engine_messages
         if self.engine_tools:
             body["tools"] = self.engine_tools
+        if self.scope != PUBLIC_SCOPE:  # tenants share no prefix-cache block, so none can probe another's prompts
+            salt = self.body.get("cache_salt")
+            body["cache_salt"] = f"{self.scope}:{salt}" if salt else self.scope
         return body
 
 
@@ -108,9 +115,13 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         # Block for a free connection rather than fail when hundreds of requests are in flight.
+        # A connection Redis dropped (a restart) fails on first use: it is opened again and
+        # the command sent once more - a write on a dead socket never reached Redis, so the
+        # retry cannot apply it twice. (With a pool of its own, redis-py retries nothing.)
         pool = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10
-        )
+            config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
+            retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError],
+        )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
         self.client = EngineClient(config.request_timeout_s)
         self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
@@ -162,7 +173,7 @@ class Gateway:
     def authenticate(self, authorization: str | None) -> str:
         """The caller's scope: sessions, hashes and ids are namespaced by it."""
         if not self.key_hashes:
-            return "public"
+            return PUBLIC_SCOPE
         key = (authorization or "").removeprefix("Bearer ").strip()
         digest = hashlib.sha256(key.encode()).hexdigest()
         if not key or digest not in self.key_hashes:
@@ -203,12 +214,11 @@ class Gateway:
         hashes = conversation_hashes(scope, messages)
         explicit = explicit_session_id(headers, raw)
         decoders = self.pool.decoders(model)
-        counter = min(decoders, key=lambda w: w.load.kv_usage)
         # One concurrent stage: the session, the prompt's length, and the load signals of
         # every worker the round could go to (which one it is depends on the first two).
         found, l_total, signals = await asyncio.gather(
             self._find_session(scope, explicit, hashes),
-            self.client.tokenize(counter.info.url, model, messages, engine_tools or None),
+            self._count(model, messages, engine_tools or None),
             self._signals({w.info.worker_id for w in decoders + self.pool.prefillers(model, exclude="")}),
         )
         session, transcript = found
@@ -216,7 +226,7 @@ class Gateway:
         engine_messages = messages
         if extends and transcript is not None:  # server tool rounds the client never saw
             engine_messages = transcript + messages[session.conversation_len :]
-            l_total = await self.client.tokenize(counter.info.url, model, engine_messages, engine_tools or None)
+            l_total = await self._count(model, engine_messages, engine_tools or None)
         session, arriving = self._bind(session, scope, explicit, model, l_total)
         if not extends:  # new, or the client rewrote its history: nothing cached counts
             session.l_hist = 0
@@ -226,6 +236,20 @@ class Gateway:
             server_tools, session, self.slo_for(model), wants_usage, arriving,
         )  # fmt: skip
         return exchange, self.plan(exchange, arrival, l_total, signals)
+
+    async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+        """The prompt's length in tokens, from the least loaded decode worker. One that is
+        lost (killed since its last scrape) is left out of the pool and the next one asked."""
+        lost: UpstreamError | None = None
+        for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
+            try:
+                return await self.client.tokenize(worker.info.url, model, messages, tools)
+            except UpstreamError as exc:
+                if not exc.lost:
+                    raise
+                self.pool.forget(worker.info.worker_id)
+                lost = exc
+        raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
 
     async def _signals(self, worker_ids: set[str]) -> Signals:
         """Queued prefill seconds and windowed TTFT/ITL of the given workers."""
@@ -310,7 +334,8 @@ class Gateway:
 
         def view(w: LiveWorker, **kw: Any) -> WorkerView:
             i = w.info
-            return WorkerView(i.worker_id, i.profile, i.speed, queue_cost=costs[i.worker_id], **kw)
+            # A worker that (re)joined the pool since the signals were read has no queue there yet.
+            return WorkerView(i.worker_id, i.profile, i.speed, queue_cost=costs.get(i.worker_id, 0.0), **kw)
 
         decode_view = view(decode, windowed_itl=means.get(("itl", decode.info.worker_id)))
         prefill_views = [
@@ -389,12 +414,14 @@ class Gateway:
         """The tool results are in: their incremental prefill is the next round's task."""
         created = time.time()
         model = ex.body["model"]
-        counter = self.pool.get(ex.session.decode_worker) or self.pool.decoders(model)[0]
         candidates = {w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")}
         l_total, signals = await asyncio.gather(
-            self.client.tokenize(counter.info.url, model, ex.engine_messages, ex.engine_tools),
-            self._signals(candidates),
+            self._count(model, ex.engine_messages, ex.engine_tools), self._signals(candidates)
         )
+        try:  # the decode worker may have been lost while the tools ran: the session moves on
+            ex.session, ex.arriving = self._bind(ex.session, ex.scope, None, model, l_total)
+        except ValueError as exc:
+            raise UpstreamError(f"no decode worker is left for {model}", 503) from exc
         return self.plan(ex, created, l_total, signals)
 
     async def run_round(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
@@ -570,6 +597,9 @@ class Gateway:
         """Remember the exchange: the conversation the client now holds, and - when it
         differs - what the engine holds, for the session's next request."""
         conversation = ex.client_messages + [client.message()]
+        if self.config.log_content:
+            asked, answered = orjson.dumps(ex.client_messages).decode(), orjson.dumps(client.message()).decode()
+            content_log.info("session %s: %s -> %s", ex.session.session_id, asked, answered)
         transcript = ex.engine_messages if ex.engine_messages != conversation else None
         async with self.redis.pipeline(transaction=False) as pipe:
             self.sessions.save(pipe, ex.session, conversation, transcript)
@@ -664,13 +694,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise _upstream_api_error(exc) from exc
         client = Reply(started=ex.arrival)
         events = gateway.converse(ex, first_round, client)
-        route = first_round.route
-        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
-                   "X-AMPD-Decode-Worker": first_round.decode.info.worker_id}  # fmt: skip
         try:
             first = await anext(events)  # errors up to the first token still get a status code
         except UpstreamError as exc:
             raise _upstream_api_error(exc) from exc
+        route = first_round.route  # as decided; the decode worker as it is now (a lost one is replaced)
+        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
+                   "X-AMPD-Decode-Worker": first_round.decode.info.worker_id}  # fmt: skip
         if raw.get("stream"):
             gateway.metrics.requests.labels("200").inc()
             return StreamingResponse(_relay(first, events), media_type="text/event-stream", headers=headers)
@@ -722,8 +752,9 @@ async def _relay(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
     try:
         async for event in rest:
             yield event
-    except UpstreamError as exc:  # the status line is gone: report in-band, as vLLM does
-        yield f"data: {json.dumps(_upstream_api_error(exc).body())}\n\n".encode()
+    except (UpstreamError, APIError) as exc:  # the status line is gone: report in-band, as vLLM does
+        error = _upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc
+        yield f"data: {json.dumps(error.body())}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
 

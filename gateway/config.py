@@ -55,6 +55,11 @@ class GatewayConfig(BaseModel):
         default=3, ge=0, description="times a round's stream may move off a lost decode worker (gateway.migration)"
     )
     max_tool_rounds: int = Field(default=8, ge=1, description="server tool rounds per request before it stops")
+    log_content: bool = Field(
+        default=False,
+        description="log each exchange's messages and reply (logger ampd.content); off, no prompt "
+        "text reaches a log or a span",
+    )
 
     @field_validator("server_tools")
     @classmethod

@@ -40,8 +40,10 @@ from gateway.routing import PrefillTask
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0
+LEASE_S = 10.0  # a dispatched task's hold on its slot, renewed by its replica while it runs
+ALIVE_S = 3.0  # a replica's liveness key lives this long; it is set every ALIVE_S / 3
 SWEEP_S = 0.1
+RECONCILE_S = 2.0  # how often, and after how long, waiting tasks are looked up in Redis
 MAX_CONFLICTS = 64  # commits lost to concurrent dispatchers before a dispatch call gives up
 
 # One round trip: drop lapsed leases, count slots in use, read the head window.
@@ -162,9 +164,15 @@ class PrefillQueues:
     def _channel(self, replica: str) -> str:
         return f"{self.p}:ready:{replica}"
 
+    def _alive(self, replica: str) -> str:
+        return f"{self.p}:replica:{replica}"
+
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.redis.set(self._alive(self.replica_id), "1", ex=round(ALIVE_S))
         self._tasks = [
+            asyncio.create_task(self._beat(), name="queues-alive"),
             asyncio.create_task(self._listen(await self._subscribe()), name="queues-listen"),
             asyncio.create_task(self._sweep(), name="queues-sweep"),
             asyncio.create_task(self._renew(), name="queues-renew"),
@@ -311,6 +319,8 @@ class PrefillQueues:
                     incremental=record["incremental"] == "1",
                 )
             )
+        if await self._drop_orphans(worker_id, ids, fields):
+            return False
         decision = pick(self.policy, window, now, self.window)
         head = decision.order[0]
         chosen, record = ids[head], fields[head]
@@ -331,7 +341,29 @@ class PrefillQueues:
             await self.redis.publish(self._channel(record["owner"]), f"{worker_id}|{chosen}|{done.queued_s}")
         return True
 
+    async def _drop_orphans(self, worker_id: str, ids: list[str], fields: list[dict[str, str]]) -> bool:
+        """Take tasks whose replica died out of the queue: nobody waits for them, and once
+        dispatched they would hold a slot until their lease lapsed. True if any went."""
+        owners = sorted({f["owner"] for f in fields} - {self.replica_id})
+        if not owners:
+            return False
+        alive = await self.redis.mget([self._alive(o) for o in owners])
+        dead = {o for o, a in zip(owners, alive, strict=True) if a is None}
+        orphans = [(i, f) for i, f in zip(ids, fields, strict=True) if f["owner"] in dead]
+        if not orphans:
+            return False
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id, record in orphans:
+                pipe.lrem(self._q(worker_id), 1, task_id)
+                pipe.incrbyfloat(self._cost(worker_id), -float(record["estimate"]))
+                pipe.delete(self._task(task_id))
+            await pipe.execute()
+        log.info("dropped %d queued prefill tasks of replicas gone: %s", len(orphans), sorted(dead))
+        return True
+
     def _hand_over(self, done: Dispatched) -> None:
+        if done.task_id in self._running:  # a notice arriving after _reconcile handed it over
+            return
         waiting = self._waiting.get(done.task_id)
         if waiting is None or waiting.future.done():  # its client left, or it started unqueued
             self._spawn(self.finish(done.worker_id, done.task_id))
@@ -387,9 +419,16 @@ class PrefillQueues:
         """Dispatch every known queue now and then: slots freed by other replicas, or by
         leases that lapsed, are taken up even when no local event triggers it. When Redis
         does not answer, this replica's waiting tasks start unqueued: their queue may be
-        gone with it."""
+        gone with it. Every RECONCILE_S, waiting tasks are also looked up (``_reconcile``)."""
+        sweeps = 0
         while True:
             await asyncio.sleep(SWEEP_S)
+            sweeps += 1
+            if sweeps % round(RECONCILE_S / SWEEP_S) == 0:
+                try:
+                    await self._reconcile()
+                except REDIS_DOWN as exc:
+                    self.health.failed("prefill queue", exc)
             for worker_id in list(self._workers):
                 try:
                     if await self.redis.llen(self._q(worker_id)):
@@ -400,6 +439,36 @@ class PrefillQueues:
                         if not waiting.future.done():
                             self._start_unqueued(task_id)
                     break
+
+    async def _reconcile(self) -> None:
+        """Waiting tasks whose wake-up cannot come: dispatched by another replica while this
+        one was not subscribed (a notice published then is lost), or whose queue entry went
+        with a Redis that came back empty. The first are handed over, the second start
+        unqueued."""
+        now = time.time()
+        stale = [(task_id, w) for task_id, w in self._waiting.items()
+                 if not w.future.done() and now - w.enqueued > RECONCILE_S]  # fmt: skip
+        if not stale:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for task_id, waiting in stale:
+                pipe.zscore(self._inflight(waiting.worker_id), task_id)
+                pipe.exists(self._task(task_id))
+            found = await pipe.execute()
+        for (task_id, waiting), lease, exists in zip(stale, found[0::2], found[1::2], strict=True):
+            if waiting.future.done():
+                continue
+            if lease is not None:
+                self._hand_over(Dispatched(waiting.worker_id, task_id, now - waiting.enqueued))
+            elif not exists:
+                self._start_unqueued(task_id)
+
+    async def _beat(self) -> None:
+        """Say this replica is alive, so others do not drop its queued tasks as orphans."""
+        while True:
+            await asyncio.sleep(ALIVE_S / 3)
+            with contextlib.suppress(*REDIS_DOWN):
+                await self.redis.set(self._alive(self.replica_id), "1", ex=round(ALIVE_S))
 
     async def _renew(self) -> None:
         while True:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from planner.profile import load_profile
-from workers.sim.kv_cache import KVCache
+from workers.sim.kv_cache import KVCache, salt_hash
 from workers.sim.request import RemotePrefill, Request, RequestStatus
 from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
 from workers.sim.tokenizer import EOS_ID
@@ -148,6 +148,22 @@ def test_prefix_hits_are_counted_and_skip_compute():
     assert step.duration == pytest.approx(PROFILE.t_pre(64, 20))
     assert s.kv.stats.queries == 74 + 84
     assert s.kv.stats.hits == 64
+
+
+def test_a_cache_salt_shares_blocks_only_between_requests_with_that_salt():
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=256, block_size=16))
+    shared = tokens(64)
+    s.add_request(make_request("a", shared + tokens(10, start=7000), out=2, salt=salt_hash("tenant-a")))
+    run(s)
+    hits = {}
+    for rid, salt in (("other", "tenant-b"), ("unsalted", None), ("same", "tenant-a")):
+        request = make_request(rid, shared + tokens(20, start=8000), out=2, salt=salt_hash(salt))
+        s.add_request(request)
+        s.schedule(10.0)
+        hits[rid] = request.num_cached_tokens
+        run(s, 10.0)
+    assert hits == {"other": 0, "unsalted": 0, "same": 64}
+    assert salt_hash(None) == 0 and salt_hash("x") == salt_hash("x") != salt_hash("y")
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_token():

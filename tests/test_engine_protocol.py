@@ -185,6 +185,19 @@ def test_metrics_use_vllm_names(engine: Engine):
     assert 0.0 <= after["vllm:kv_cache_usage_perc"] <= 1.0
 
 
+def test_a_cache_salt_keeps_prefix_blocks_apart(engine: Engine):
+    prompt = [{"role": "user", "content": f"salted {uuid.uuid4().hex} " + "words " * 300}]
+
+    def hits_after(salt: str) -> float:
+        assert chat(engine, messages=prompt, max_tokens=1, cache_salt=salt).status_code == 200
+        return engine.metrics()["vllm:prefix_cache_hits_total"]
+
+    first = hits_after("tenant-a")
+    other = hits_after("tenant-b")  # the same prompt under another salt: a miss
+    same = hits_after("tenant-a")
+    assert other == first and same > other
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [

@@ -329,3 +329,23 @@ def test_a_killed_gateway_replica_leaves_its_sessions_to_the_other(cluster):
     finally:
         doomed.stop()
         other.stop()
+
+
+def test_new_sessions_right_after_a_decode_worker_dies_go_to_the_survivor(cluster):
+    """The gateway has not scraped the dead worker yet: counting a prompt there or binding
+    to it fails, so the worker is left out and the next one asked; no request fails."""
+    tmp, prefix, _, decoders = cluster
+    gateway = start_gateway(tmp, REDIS_URL, prefix, "--policy", "coloc")
+    try:
+        victim, survivor = decoders
+        victim.child.process.kill()
+        victim.child.process.wait()
+        with ThreadPoolExecutor(4) as pool:
+            bodies = [{"model": MODEL, "messages": [{"role": "user", "content": f"new {i}"}], "max_tokens": 2}
+                      for i in range(4)]  # fmt: skip
+            answers = list(pool.map(lambda b: httpx.post(f"{gateway.url}/v1/chat/completions", json=b, timeout=60),
+                                    bodies))  # fmt: skip
+        assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+        assert {a.headers["x-ampd-decode-worker"].rsplit(":", 1)[1] for a in answers} == {survivor.url.rsplit(":")[-1]}
+    finally:
+        gateway.stop()

@@ -169,6 +169,63 @@ def test_every_round_of_a_session_can_be_read_back_by_its_key_only(stack):
     assert httpx.get(f"{keyed.url}/v1/sessions/{session_id}").status_code == 401
 
 
+def test_a_tenant_guessing_another_tenants_session_id_and_prompt_lands_on_neither(stack):
+    keyed = stack.add_gateway("--api-key", "sk-a", "--api-key", "sk-b", "--policy", "coloc")
+    prompt = [{"role": "user", "content": f"our secret plan {uuid.uuid4().hex} " * 40}]
+
+    def ask(key: str, session_id: str, messages: list) -> httpx.Response:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+        response = httpx.post(f"{keyed.url}/v1/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {key}", "X-Session-Id": session_id})  # fmt: skip
+        assert response.status_code == 200, response.text
+        return response
+
+    def cached(response: httpx.Response) -> int:
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = ask("sk-a", "shared-id", prompt)
+    # The control: tenant A's own second session with the same prompt hits A's cached prefix.
+    assert cached(ask("sk-a", "a-again", prompt)) > 0
+    # Tenant B with A's session id and A's prompt: its own new session, and not one cached block.
+    guess = ask("sk-b", "shared-id", prompt)
+    assert guess.headers["x-session-id"] == "shared-id" and cached(guess) == 0
+
+    def rounds(key: str) -> list:
+        response = httpx.get(f"{keyed.url}/v1/sessions/shared-id", headers={"Authorization": f"Bearer {key}"})
+        return response.json()["rounds"]
+
+    assert len(rounds("sk-a")) == 1 and len(rounds("sk-b")) == 1
+    # A's session carries on from A's own history; B's turn is not in it.
+    follow = [*prompt, first.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+    ask("sk-a", "shared-id", follow)
+    a_rounds = rounds("sk-a")
+    assert len(a_rounds) == 2 and a_rounds[1]["kind"] == "incremental" and a_rounds[1]["l_hist"] > 0
+    assert len(rounds("sk-b")) == 1
+
+
+def test_no_prompt_text_or_key_reaches_a_log_unless_the_operator_asks(stack):
+    canary, key = f"canary-{uuid.uuid4().hex}", f"sk-{uuid.uuid4().hex}"
+    quiet = stack.add_gateway("--api-key", key, "--log-level", "debug")
+    loud = stack.add_gateway("--api-key", key, "--log-content")
+    for gateway in (quiet, loud):
+        for stream in (False, True):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"{canary} " * 20}], "max_tokens": 8,
+                    "stream": stream, "tools": [SEARCH], "sim_script": script(1)}  # fmt: skip
+            ok = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+            assert ok.status_code == 200, ok.text
+        bad = {"model": MODEL, "messages": [{"role": "tool", "content": canary}]}
+        refused = httpx.post(f"{gateway.url}/v1/chat/completions", json=bad, headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 400
+    time.sleep(0.5)  # log lines are flushed as they are written; give the children a moment to write them
+    logs = {path.name: path.read_text(errors="replace") for path in stack.tmp.glob("*.log")}
+    loud_log = logs.pop(f"gateway-{loud.url.rsplit(':', 1)[1]}.log")
+    assert f"gateway-{quiet.url.rsplit(':', 1)[1]}.log" in logs and any(n.startswith("worker-") for n in logs)
+    assert [n for n, text in logs.items() if canary in text] == []
+    assert [n for n, text in logs.items() if key in text] == [] and key not in loud_log
+    assert canary in loud_log  # the operator's switch works, so the absence above means something
+
+
 def test_no_round_loses_its_kv(stack):
     """Every round finds the session's history on the bound decode worker: locally
     prefilled rounds hit its prefix cache; remote ones pull only what is new."""

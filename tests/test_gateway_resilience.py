@@ -105,3 +105,101 @@ def test_a_full_prefill_queue_answers_429(tmp_path):
         gateway.stop()
         stop(worker)
         cleanup(prefix)
+
+
+def test_a_dispatch_notice_lost_while_unsubscribed_does_not_strand_its_task():
+    """Replica B dispatches replica A's queued task while A's notice subscription is
+    down (Redis dropped it): the notice is lost, and A still starts the task because it
+    looks its waiting tasks up now and then (PrefillQueues._reconcile)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.outage import RedisHealth
+    from gateway.policies import POLICIES
+    from gateway.queues import RECONCILE_S, PrefillQueues
+    from gateway.routing import PrefillTask
+
+    prefix = f"notice-{uuid.uuid4().hex[:8]}"
+
+    def replica(name: str, client: aioredis.Redis) -> PrefillQueues:
+        metrics = GatewayMetrics(postponements=lambda: 0)
+        health = RedisHealth(metrics.redis_up, metrics.redis_errors)
+        return PrefillQueues(client, prefix, name, POLICIES["ampd"], window=3, slots=1, max_queue=8,
+                             task_ttl_s=60, health=health)  # fmt: skip
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        a, b = replica("a", client), replica("b", client)
+        await a.start()
+        await b.start()
+        try:
+            now = time.time()
+            held = await b.submit("w", PrefillTask("t1", "s1", 0, 100, now), 0.1, 5.0)  # takes the one slot
+            waiting = asyncio.create_task(a.submit("w", PrefillTask("t2", "s2", 0, 100, now), 0.1, 5.0))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()
+            await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # A hears nothing for a moment
+            await b.finish("w", held.task_id)  # dispatches t2 and publishes to nobody
+            dispatched = await asyncio.wait_for(waiting, timeout=3 * RECONCILE_S)
+            assert dispatched.task_id == "t2" and dispatched.worker_id == "w"
+        finally:
+            await a.stop()
+            await b.stop()
+            await client.aclose()
+            cleanup(prefix)
+
+    asyncio.run(scenario())
+
+
+def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
+    """Replica A dies with two tasks queued behind B's running one. When B's task ends,
+    A's tasks (nobody waits for them) are dropped, not dispatched: B's next queued task
+    gets the slot at once instead of after A's tasks' leases lapse."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.outage import RedisHealth
+    from gateway.policies import POLICIES
+    from gateway.queues import ALIVE_S, LEASE_S, PrefillQueues
+    from gateway.routing import PrefillTask
+
+    prefix = f"orphans-{uuid.uuid4().hex[:8]}"
+
+    def replica(name: str, client: aioredis.Redis) -> PrefillQueues:
+        metrics = GatewayMetrics(postponements=lambda: 0)
+        health = RedisHealth(metrics.redis_up, metrics.redis_errors)
+        return PrefillQueues(client, prefix, name, POLICIES["disagg"], window=3, slots=1, max_queue=8,
+                             task_ttl_s=60, health=health)  # fmt: skip
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        a, b = replica("a", client), replica("b", client)
+        await a.start()
+        await b.start()
+        now = time.time()
+        held = await b.submit("w", PrefillTask("t1", "s1", 0, 100, now), 0.1, 5.0)
+        orphans = [asyncio.create_task(a.submit("w", PrefillTask(t, t, 0, 100, now), 0.1, 5.0)) for t in ("t2", "t3")]
+        await asyncio.sleep(0.3)
+        await a.stop()  # A dies: no more liveness, nobody listening for its tasks
+        await asyncio.sleep(ALIVE_S + 0.5)
+        try:
+            mine = asyncio.create_task(b.submit("w", PrefillTask("t4", "s4", 0, 100, now), 0.1, 5.0))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            await b.finish("w", held.task_id)
+            dispatched = await asyncio.wait_for(mine, timeout=LEASE_S)
+            assert dispatched.task_id == "t4" and time.monotonic() - started < 2.0
+            assert await client.llen(f"{prefix}:pq:w") == 0
+        finally:
+            for task in orphans:
+                task.cancel()
+            await asyncio.gather(*orphans, return_exceptions=True)
+            await b.stop()
+            await client.aclose()
+            cleanup(prefix)
+
+    asyncio.run(scenario())

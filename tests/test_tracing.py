@@ -72,7 +72,8 @@ def test_a_session_is_one_trace_with_a_span_per_round_and_phase(gateway):
     script = {"rounds": [{"output_tokens": 12, "tool_calls": [{"name": "search", "arguments": {"q": "a"}}]},
                          {"output_tokens": 12, "tool_calls": [{"name": "search", "arguments": {"q": "b"}}]},
                          {"output_tokens": 12}]}  # fmt: skip
-    messages: list = [{"role": "user", "content": "Find things " * 50}]
+    canary = f"canary-{uuid.uuid4().hex}"
+    messages: list = [{"role": "user", "content": f"Find {canary} " * 50}]
     before = metric(gateway, 'ampd_ttft_seconds_count{kind="incremental"}')
     completion_tokens: list[int] = []
     with httpx.Client(timeout=60, headers={"X-Session-Id": session_id}) as client:
@@ -105,5 +106,6 @@ def test_a_session_is_one_trace_with_a_span_per_round_and_phase(gateway):
             prefill.end_time <= children["kv_transfer"].end_time <= decode.start_time <= decode.end_time <= r.end_time
         )
     assert rounds[2].attributes["ampd.route"] == "remote"
+    assert not [s.name for s in EXPORTER.get_finished_spans() if canary in str(dict(s.attributes))]  # no prompt text
     assert metric(gateway, 'ampd_ttft_seconds_count{kind="incremental"}') == before + 2
     assert metric(gateway, 'ampd_route_total{reason="policy",route="remote"}') >= 3

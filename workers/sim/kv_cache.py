@@ -13,19 +13,29 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
-    """Append the chained hash of every newly *full* block of ``token_ids`` to ``hashes``.
+def salt_hash(cache_salt: str | None) -> int:
+    """The parent hash of a request's first block: 0 unsalted, else a digest of the salt
+    (vLLM folds ``cache_salt`` into the first block's hash), the same in every process."""
+    if cache_salt is None:
+        return 0
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, salt: int = 0) -> None:
+    """Append the chained hash of every newly *full* block of ``token_ids`` to ``hashes``,
+    the first chained to ``salt`` (``salt_hash``).
 
     Python's hash of a tuple of ints is the same in every process (no salt), 64 bits,
     and far cheaper than a cryptographic hash - this runs for every block of every
     request in the simulator too.
     """
-    parent = hashes[-1] if hashes else 0
+    parent = hashes[-1] if hashes else salt
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, *token_ids[start : start + block_size]))
         hashes.append(parent)

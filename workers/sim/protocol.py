@@ -77,6 +77,8 @@ class _Generation(_Request):
     min_tokens: int = Field(default=0, ge=0)
     kv_transfer_params: dict[str, Any] | None = None
     sim_script: SimScript | None = None
+    # vLLM's: salts the prefix cache so that only requests with the same salt share blocks.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -168,6 +170,13 @@ class Usage:
         if details:
             out["prompt_tokens_details"] = None if self.cached_tokens is None else {"cached_tokens": self.cached_tokens}
             out["completion_tokens_details"] = None
+        return out
+
+    def final_stream_body(self) -> dict[str, Any]:
+        """A stream's last usage chunk: vLLM drops the None fields there, keeping cached tokens when counted."""
+        out = self.body(details=False)
+        if self.cached_tokens is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         return out
 
 

@@ -54,6 +54,7 @@ class Request:
     arrival_time: float
     do_remote_decode: bool = False
     remote_prefill: RemotePrefill | None = None
+    salt: int = 0  # the prefix cache's salt (kv_cache.salt_hash of the request's cache_salt)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -94,7 +95,7 @@ class Request:
         return min(self.max_tokens, len(self.output_plan)) - self.num_output_tokens
 
     def update_block_hashes(self, block_size: int) -> None:
-        extend_block_hashes(self.block_hashes, self.token_ids, block_size)
+        extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.salt)
 
     def append_planned(self, n: int) -> list[int]:
         """Sample the next ``n`` tokens of the plan (the caller checks there are that many)."""

@@ -26,6 +26,7 @@ from planner.profile import Profile
 from workers.registry import Registration, Role, WorkerInfo, heartbeat_client
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
+from workers.sim.kv_cache import salt_hash
 from workers.sim.kv_transfer import KVSideChannel
 from workers.sim.metrics import EngineMetrics
 from workers.sim.request import RemotePrefill
@@ -317,7 +318,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         except ScriptError as exc:
             raise p.EngineError(400, str(exc), param="sim_script") from exc
         ids = p.ResponseIds(f"chatcmpl-{_request_id(request)}", w.config.model_name, "chat.completion.chunk")
-        stream = _submit(w, ids, prompt_ids, reply, length, body.kv_transfer_params)
+        stream = _submit(w, ids, prompt_ids, reply, length, body)
         if body.stream:
             return _sse(_chat_stream(w, body, ids, stream, reply), w, stream)
         outcome = await _run_to_end(w, stream, request)
@@ -340,7 +341,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         length = _length(body, w.max_tokens_for(len(prompt_ids), body.max_tokens, "max_tokens"))
         reply = w.responder.completion(body.sim_script, body.seed, length)
         ids = p.ResponseIds(f"cmpl-{_request_id(request)}", w.config.model_name, "text_completion")
-        stream = _submit(w, ids, prompt_ids, reply, length, body.kv_transfer_params)
+        stream = _submit(w, ids, prompt_ids, reply, length, body)
         echo = prompt_text if body.echo else ""
         if body.stream:
             return _sse(_completion_stream(w, body, ids, stream, reply, echo), w, stream)
@@ -419,9 +420,9 @@ def _submit(
     prompt_ids: list[int],
     reply: Reply,
     length: Length,
-    kv_params: dict[str, Any] | None,
+    body: p.ChatCompletionRequest | p.CompletionRequest,
 ) -> RequestStream:
-    prefill_only, remote = w.transfer_role(kv_params)
+    prefill_only, remote = w.transfer_role(body.kv_transfer_params)
     request = EngineRequest(
         request_id=f"{ids.id}-{secrets.token_hex(4)}",
         prompt_token_ids=prompt_ids,
@@ -430,6 +431,7 @@ def _submit(
         arrival_time=asyncio.get_running_loop().time(),
         do_remote_decode=prefill_only,
         remote_prefill=remote,
+        salt=salt_hash(body.cache_salt),
     )
     return w.engine.submit(request)
 
@@ -588,7 +590,7 @@ async def _chat_stream(
             extra["system_fingerprint"] = ids.fingerprint
         yield p.sse(p.chunk(ids, choice, **extra))
         if options.include_usage:
-            usage = w.usage(stream, n).body(details=False)
+            usage = w.usage(stream, n).final_stream_body()
             yield p.sse(p.chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
         yield p.sse("[DONE]")
 
@@ -621,7 +623,7 @@ async def _completion_stream(
         yield p.sse(p.chunk(ids, choice, **extra))
         if event.finished:
             if options.include_usage:
-                usage = w.usage(stream, n).body(details=False)
+                usage = w.usage(stream, n).final_stream_body()
                 yield p.sse(p.chunk(ids, None, usage=usage, system_fingerprint=ids.fingerprint))
             yield p.sse("[DONE]")
 

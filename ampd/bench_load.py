@@ -1,0 +1,289 @@
+"""`ampd bench load`: many concurrent agent sessions for minutes, through the gateway.
+
+Each of ``agents`` agents runs sessions back to back until the run's time is up: a
+first round, then tool rounds (the model calls a tool, the agent "runs" it for a think
+time, answers with a tool message), then a final answer - the loop an agent framework
+runs. GPU-free workers (role ``both``) serve at a speed-up. The same load runs twice:
+directly against the workers (the agent keeps its session on one worker itself and
+sends the whole history each round, which is what the gateway's binding does), then
+through the gateway. What is reported, for the gateway run:
+
+* lost or duplicated rounds: after each session the agent reads the session back
+  (``GET /v1/sessions/{id}``) and compares the rounds the gateway recorded with the
+  rounds it completed; the gateway's ``ampd_requests`` counter must also equal them;
+* errors: any non-200 answer, error event, or transport failure, by kind;
+* the gateway's memory: resident set size sampled every few seconds, from the moment
+  every agent has started to the end;
+* the latency the gateway adds: TTFT percentiles through the gateway minus the same
+  percentiles called directly. The default policy is ``coloc`` so both runs prefill on
+  the session's own worker and the difference is the gateway, not a routing policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import time
+import uuid
+import zlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from ampd.bench_gateway import percentile_ms
+from ampd.local_redis import ensure_redis, free_port
+from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.replay import TOOL, agent_client, stream_round, words
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """One agent session: ``rounds`` model calls, all but the last ending in a tool call."""
+
+    rounds: int = 4
+    first_prompt_tokens: int = 200
+    tool_result_tokens: int = 50
+    output_tokens: int = 20
+    think_s: tuple[float, float] = (4.0, 12.0)  # the tool's run time, uniform, wall seconds
+
+    def script(self) -> dict:
+        call = {"name": "lookup", "arguments": {"q": "x"}}
+        rounds = [{"output_tokens": self.output_tokens, "tool_calls": [call]} for _ in range(self.rounds - 1)]
+        return {"rounds": [*rounds, {"output_tokens": self.output_tokens}]}
+
+
+@dataclass
+class ArmRecord:
+    """What one run saw, appended to by every agent (one event loop: no locks)."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    rounds_ok: int = 0
+    sessions: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    lost_rounds: int = 0  # completed by the agent, missing from the gateway's record
+    duplicated_rounds: int = 0  # recorded by the gateway more often than the agent sent them
+    unverified_sessions: int = 0  # the read-back itself failed
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    arm: str
+    seconds: float
+    sessions: int
+    rounds_ok: int
+    rounds_per_s: float
+    errors: dict[str, int]
+    error_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    lost_rounds: int = 0
+    duplicated_rounds: int = 0
+    unverified_sessions: int = 0
+
+
+def summarise(arm: str, record: ArmRecord, seconds: float) -> ArmResult:
+    failed = sum(record.errors.values())
+    return ArmResult(
+        arm, seconds, record.sessions, record.rounds_ok, record.rounds_ok / seconds, dict(record.errors),
+        failed / max(1, failed + record.rounds_ok),
+        percentile_ms(record.ttft_s, 0.5) if record.ttft_s else float("nan"),
+        percentile_ms(record.ttft_s, 0.99) if record.ttft_s else float("nan"),
+        record.lost_rounds, record.duplicated_rounds, record.unverified_sessions,
+    )  # fmt: skip
+
+
+def _error_kind(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientError):
+        return f"transport: {type(exc).__name__}"
+    text = str(exc)
+    return text.split(": ", 1)[1][:40] if ": " in text else text[:40]
+
+
+async def _session(
+    client: aiohttp.ClientSession, url: str, model: str, session_id: str, shape: LoadShape, rng: random.Random,
+    record: ArmRecord, verify: bool,
+) -> None:  # fmt: skip
+    seed = zlib.crc32(session_id.encode())
+    messages: list[dict] = [{"role": "user", "content": words(seed, 0, shape.first_prompt_tokens)}]
+    script, sent = shape.script(), 0
+    for k in range(shape.rounds):
+        body = {"model": model, "messages": messages, "tools": [TOOL], "stream": True, "sim_script": script}
+        sent += 1
+        try:
+            got = await stream_round(client, url, body, session_id)
+        except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+            record.errors[_error_kind(exc)] += 1
+            break
+        if got.first_token is None:
+            record.errors["no tokens"] += 1
+            break
+        record.ttft_s.append(got.first_token - got.sent)
+        record.rounds_ok += 1
+        messages.append(got.message)
+        if k + 1 == shape.rounds:
+            break
+        await asyncio.sleep(rng.uniform(*shape.think_s))
+        result = words(seed, k + 1, shape.tool_result_tokens)
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in got.message["tool_calls"]]
+    record.sessions += 1
+    if verify:
+        try:
+            async with client.get(f"{url}/v1/sessions/{session_id}", raise_for_status=True) as response:
+                recorded = len((await response.json())["rounds"])
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+            record.unverified_sessions += 1
+            return
+        completed = sum(1 for _ in messages if _.get("role") == "assistant")
+        record.lost_rounds += max(0, completed - recorded)
+        record.duplicated_rounds += max(0, recorded - sent)
+
+
+async def run_agents(
+    route: Callable[[str], str], model: str, agents: int, seconds: float, ramp_s: float, shape: LoadShape,
+    verify: bool, seed: int = 0,
+) -> tuple[ArmRecord, float]:  # fmt: skip
+    """``agents`` closed-loop agents for ``seconds``; ``route`` gives a session's base URL.
+    Sessions under way when the time is up finish. Returns the record and the wall time."""
+    record = ArmRecord()
+    started = time.perf_counter()
+    deadline = started + seconds
+
+    async def agent(i: int, client: aiohttp.ClientSession) -> None:
+        rng = random.Random(seed * 1_000_003 + i)
+        await asyncio.sleep(ramp_s * i / agents)
+        n = 0
+        while time.perf_counter() < deadline:
+            session_id = f"load-{seed}-{i}-{n}-{uuid.uuid4().hex[:6]}"
+            await _session(client, route(session_id), model, session_id, shape, rng, record, verify)
+            n += 1
+
+    async with agent_client(agents + 16) as client:
+        await asyncio.gather(*(agent(i, client) for i in range(agents)))
+    return record, time.perf_counter() - started
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+async def _sample_rss(pid: int, every_s: float, samples: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    started = time.perf_counter()
+    while not stop.is_set():
+        samples.append((time.perf_counter() - started, rss_mib(pid)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+def requests_counted(metrics_text: str) -> dict[str, float]:
+    """``ampd_requests_total`` by status, from the gateway's /metrics."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("ampd_requests_total{"):
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            out[status] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_load_bench(
+    console: Console, agents: int, minutes: float, baseline_minutes: float, speed: float, policy: str,
+    shape: LoadShape, out: Path | None,
+) -> int:  # fmt: skip
+    prefix = f"load-{uuid.uuid4().hex[:8]}"
+    state = Path(".ampd") / prefix
+    state.mkdir(parents=True, exist_ok=True)
+    redis_handle = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12"), state / "redis")
+    common = ["--redis-url", redis_handle.url, "--redis-prefix", prefix]
+    workers = [
+        spawn_sim_worker(f"worker{i}", port, ["--role", "both", "--speed", str(speed), "--max-num-seqs", "1024",
+                                              *common], log=state / f"worker{i}.log")
+        for i, port in enumerate((free_port(), free_port()))
+    ]  # fmt: skip
+    options = [*common, "--policy", policy, "--prefill-slots", "64", "--max-queue", str(agents * 2)]
+    gateway = spawn_gateway("gateway", free_port(), options, log=state / "gateway.log")
+    ramp_s = min(30.0, minutes * 60 / 4)
+    samples: list[tuple[float, float]] = []
+    try:
+        if wait_healthy(workers) or wait_healthy([gateway], path="/readyz"):
+            raise RuntimeError(f"a worker or the gateway did not start; logs in {state}")
+        model = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]["id"]
+
+        def by_hash(session_id: str) -> str:
+            return workers[zlib.crc32(session_id.encode()) % len(workers)].url
+
+        console.print(f"direct: {agents} agents for {baseline_minutes:g} min ...")
+        direct, direct_s = asyncio.run(run_agents(by_hash, model, agents, baseline_minutes * 60, ramp_s, shape,
+                                                  verify=False, seed=1))  # fmt: skip
+        console.print(f"gateway ({policy}): {agents} agents for {minutes:g} min ...")
+
+        async def through_gateway() -> tuple[ArmRecord, float]:
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(_sample_rss(gateway.process.pid, 5.0, samples, stop))
+            try:
+                return await run_agents(lambda _: gateway.url, model, agents, minutes * 60, ramp_s, shape,
+                                        verify=True, seed=2)  # fmt: skip
+            finally:
+                stop.set()
+                await sampler
+
+        via, via_s = asyncio.run(through_gateway())
+        counted = requests_counted(httpx.get(f"{gateway.url}/metrics").text)
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+        r = redis.Redis.from_url(redis_handle.url)
+        keys = list(r.scan_iter(match=f"{prefix}:*"))
+        if keys:
+            r.delete(*keys)
+        redis_handle.stop()
+
+    arms = [summarise("direct", direct, direct_s), summarise("gateway", via, via_s)]
+    steady = [mib for t, mib in samples if t >= ramp_s]
+    report = {
+        "agents": agents, "minutes": minutes, "baseline_minutes": baseline_minutes, "speed": speed,
+        "policy": policy, "shape": asdict(shape), "cpus": os.cpu_count(), "arms": [asdict(a) for a in arms],
+        "added_ttft_p50_ms": arms[1].ttft_p50_ms - arms[0].ttft_p50_ms,
+        "added_ttft_p99_ms": arms[1].ttft_p99_ms - arms[0].ttft_p99_ms,
+        "gateway_rss_mib": {"start": steady[0] if steady else None, "end": steady[-1] if steady else None,
+                            "max": max(steady) if steady else None},
+        "gateway_requests_counted": counted, "rss_samples": samples,
+    }  # fmt: skip
+    print_report(console, report, arms)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    clean = (via.lost_rounds == via.duplicated_rounds == via.unverified_sessions == 0 and not via.errors
+             and counted.get("200", 0) == via.rounds_ok)  # fmt: skip
+    return 0 if clean else 1
+
+
+def print_report(console: Console, report: dict, arms: Sequence[ArmResult]) -> None:
+    table = Table("arm", "min", "sessions", "rounds", "rounds/s", "errors", "TTFT p50 / p99", "lost / dup")
+    for a in arms:
+        table.add_row(a.arm, f"{a.seconds / 60:.1f}", str(a.sessions), str(a.rounds_ok), f"{a.rounds_per_s:.1f}",
+                      f"{sum(a.errors.values())} ({a.error_rate:.2%})", f"{a.ttft_p50_ms:.1f} / {a.ttft_p99_ms:.1f} ms",
+                      f"{a.lost_rounds} / {a.duplicated_rounds}" if a.arm == "gateway" else "-")  # fmt: skip
+    console.print(table)
+    rss = report["gateway_rss_mib"]
+    added = f"p50 {report['added_ttft_p50_ms']:+.1f} ms, p99 {report['added_ttft_p99_ms']:+.1f} ms"
+    console.print(f"gateway adds TTFT {added}; "
+                  f"RSS start {rss['start']:.0f} MiB, end {rss['end']:.0f} MiB, max {rss['max']:.0f} MiB; "
+                  f"ampd_requests_total {report['gateway_requests_counted']}")  # fmt: skip
+    for a in arms:
+        for kind, n in a.errors.items():
+            console.print(f"  {a.arm} error x{n}: {kind}")

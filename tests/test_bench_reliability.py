@@ -1,0 +1,43 @@
+"""`ampd bench load` and `ampd bench chaos`, run short: their checks must hold on a healthy
+system, and their reports must say what they measured."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+from ampd.bench_chaos import FAULTS, run_chaos_bench
+from ampd.bench_load import LoadShape, run_load_bench
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+
+
+def test_a_short_load_run_loses_no_round_and_reports_memory_and_added_latency(tmp_path, monkeypatch):
+    monkeypatch.setenv("REDIS_URL", REDIS_URL)
+    out = tmp_path / "load.json"
+    shape = LoadShape(rounds=3, output_tokens=8, think_s=(0.2, 0.6))
+    code = run_load_bench(Console(file=(tmp_path / "console.txt").open("w")), 40, 0.4, 0.2, 10.0, "coloc", shape, out)
+    report = json.loads(out.read_text())
+    direct, gateway = report["arms"]
+    assert code == 0, report
+    assert gateway["rounds_ok"] > 100
+    assert gateway["lost_rounds"] == gateway["duplicated_rounds"] == gateway["unverified_sessions"] == 0
+    assert gateway["errors"] == {} and direct["errors"] == {}
+    assert report["gateway_requests_counted"]["200"] == gateway["rounds_ok"]
+    rss = report["gateway_rss_mib"]
+    assert 20 < rss["start"] <= rss["max"] and rss["end"] <= rss["max"]
+    assert report["added_ttft_p99_ms"] == gateway["ttft_p99_ms"] - direct["ttft_p99_ms"]
+
+
+def test_a_short_chaos_run_survives_one_of_each_fault(tmp_path):
+    out = tmp_path / "chaos.json"
+    code = run_chaos_bench(Console(file=(tmp_path / "console.txt").open("w")), agents=6, minutes=1.2,
+                           interval_s=8.0, down_s=2.0, speed=4.0, rounds=3, out=out)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert sorted(part for _, part in report["faults"]) == sorted(FAULTS)
+    assert report["rounds_ok"] > 20
+    assert report["failed"] == {} and report["text_mismatches"] == 0, report
+    assert report["lost_rounds"] == report["duplicated_rounds"] == 0
+    assert report["sessions_verified"] > 0
+    assert code == 0
