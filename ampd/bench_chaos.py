@@ -44,6 +44,7 @@ from rich.table import Table
 from ampd.local_redis import LocalRedis, free_port, server_binary, start_private_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
 from ampd.replay import TOOL, words
+from gateway.upstream import Reply
 
 FAULTS = ("decode", "prefill", "redis", "tools", "gateway")
 PREFIX = "chaos"
@@ -94,19 +95,12 @@ class Streamed:
         return 1 + sum(1 for e in self.chunks if "ampd_tool_round" in e)
 
     def message(self) -> dict:
-        calls: dict[int, dict] = {}
-        for e in self.chunks:
-            for c in e.get("choices", []):
-                for call in c["delta"].get("tool_calls") or []:
-                    entry = calls.setdefault(call["index"], {"id": "", "type": "function",
-                                                             "function": {"name": "", "arguments": ""}})  # fmt: skip
-                    entry["id"] = call.get("id") or entry["id"]
-                    entry["function"]["name"] += (call.get("function") or {}).get("name") or ""
-                    entry["function"]["arguments"] += (call.get("function") or {}).get("arguments") or ""
-        message: dict = {"role": "assistant", "content": self.text or None}
-        if calls:
-            message["tool_calls"] = [calls[i] for i in sorted(calls)]
-        return message
+        """The assistant turn, as the conversation continues with it."""
+        reply = Reply(started=0.0)
+        for chunk in self.chunks:
+            if "choices" in chunk:
+                reply.observe(chunk, 0.0)
+        return reply.message()
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict, session_id: str) -> Streamed:

@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import redis
 from rich.console import Console
 from rich.table import Table
 
 from ampd.loadgen import StreamTiming, stream_chat
-from ampd.local_redis import ensure_redis, free_port
+from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
 from gateway.policies import POLICIES, route
 from gateway.routing import PrefillTask, WorkerView
@@ -126,10 +125,7 @@ def run_gateway_bench(
     finally:
         gateway.stop()
         worker.stop()
-        r = redis.Redis.from_url(redis_handle.url)
-        keys = list(r.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        delete_prefix(redis_handle.url, prefix)
         redis_handle.stop()
 
     sums = {line.split(" ")[0]: float(line.split(" ")[1]) for line in observed.splitlines()

@@ -36,12 +36,11 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-import redis
 from rich.console import Console
 from rich.table import Table
 
 from ampd.bench_gateway import percentile_ms
-from ampd.local_redis import ensure_redis, free_port
+from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.replay import TOOL, agent_client, stream_round, words
 
@@ -246,10 +245,7 @@ def run_load_bench(
         gateway.stop()
         for w in workers:
             w.stop()
-        r = redis.Redis.from_url(redis_handle.url)
-        keys = list(r.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        delete_prefix(redis_handle.url, prefix)
         redis_handle.stop()
 
     arms = [summarise("direct", direct, direct_s), summarise("gateway", via, via_s)]

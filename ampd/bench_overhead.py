@@ -25,12 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
-import redis
 from rich.console import Console
 from rich.table import Table
 
 from ampd.bench_gateway import drive, percentile_ms
-from ampd.local_redis import ensure_redis, free_port
+from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 
 VENVS = Path("bench/venvs")
@@ -252,10 +251,7 @@ def run_overhead_bench(
     finally:
         for child in reversed(children):
             child.stop()
-        r = redis.Redis.from_url(redis_handle.url)
-        keys = list(r.scan_iter(match=f"{prefix}:*"))
-        if keys:
-            r.delete(*keys)
+        delete_prefix(redis_handle.url, prefix)
         redis_handle.stop()
 
     rows = overheads(results)

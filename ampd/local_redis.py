@@ -103,3 +103,11 @@ def start_private_redis(binary: tuple[str, str], port: int, workdir: Path) -> Lo
             raise NoRedis(f"{source} ({path}) did not start on port {port}")
         time.sleep(0.05)
     return LocalRedis(private, f"private {source} on port {port}", process)
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix:`` (a benchmark's or a test's namespace)."""
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        client.delete(*keys)

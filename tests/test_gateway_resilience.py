@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import redis
+import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn_gateway, wait_healthy
+from gateway.metrics import GatewayMetrics
+from gateway.outage import RedisHealth
+from gateway.policies import POLICIES
+from gateway.queues import ALIVE_S, LEASE_S, RECONCILE_S, PrefillQueues
+from gateway.routing import PrefillTask
 from tests.engines import start_gateway, start_sim_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
 
@@ -23,6 +30,14 @@ def ask(url: str, session_id: str, content: str) -> httpx.Response:
                           headers={"X-Session-Id": session_id})  # fmt: skip
     assert response.status_code == 200, response.text
     return response
+
+
+def replica_queues(prefix: str, replica: str, client: aioredis.Redis, policy: str) -> PrefillQueues:
+    """One replica's prefill queues, in this process, with one slot per worker."""
+    metrics = GatewayMetrics(postponements=lambda: 0)
+    health = RedisHealth(metrics.redis_up, metrics.redis_errors)
+    return PrefillQueues(client, prefix, replica, POLICIES[policy], window=3, slots=1, max_queue=8, task_ttl_s=60,
+                         health=health)  # fmt: skip
 
 
 def cleanup(prefix: str) -> None:
@@ -111,27 +126,12 @@ def test_a_dispatch_notice_lost_while_unsubscribed_does_not_strand_its_task():
     """Replica B dispatches replica A's queued task while A's notice subscription is
     down (Redis dropped it): the notice is lost, and A still starts the task because it
     looks its waiting tasks up now and then (PrefillQueues._reconcile)."""
-    import asyncio
-
-    import redis.asyncio as aioredis
-
-    from gateway.metrics import GatewayMetrics
-    from gateway.outage import RedisHealth
-    from gateway.policies import POLICIES
-    from gateway.queues import RECONCILE_S, PrefillQueues
-    from gateway.routing import PrefillTask
 
     prefix = f"notice-{uuid.uuid4().hex[:8]}"
 
-    def replica(name: str, client: aioredis.Redis) -> PrefillQueues:
-        metrics = GatewayMetrics(postponements=lambda: 0)
-        health = RedisHealth(metrics.redis_up, metrics.redis_errors)
-        return PrefillQueues(client, prefix, name, POLICIES["ampd"], window=3, slots=1, max_queue=8,
-                             task_ttl_s=60, health=health)  # fmt: skip
-
     async def scenario() -> None:
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-        a, b = replica("a", client), replica("b", client)
+        a, b = (replica_queues(prefix, n, client, "ampd") for n in "ab")
         await a.start()
         await b.start()
         try:
@@ -157,27 +157,12 @@ def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
     """Replica A dies with two tasks queued behind B's running one. When B's task ends,
     A's tasks (nobody waits for them) are dropped, not dispatched: B's next queued task
     gets the slot at once instead of after A's tasks' leases lapse."""
-    import asyncio
-
-    import redis.asyncio as aioredis
-
-    from gateway.metrics import GatewayMetrics
-    from gateway.outage import RedisHealth
-    from gateway.policies import POLICIES
-    from gateway.queues import ALIVE_S, LEASE_S, PrefillQueues
-    from gateway.routing import PrefillTask
 
     prefix = f"orphans-{uuid.uuid4().hex[:8]}"
 
-    def replica(name: str, client: aioredis.Redis) -> PrefillQueues:
-        metrics = GatewayMetrics(postponements=lambda: 0)
-        health = RedisHealth(metrics.redis_up, metrics.redis_errors)
-        return PrefillQueues(client, prefix, name, POLICIES["disagg"], window=3, slots=1, max_queue=8,
-                             task_ttl_s=60, health=health)  # fmt: skip
-
     async def scenario() -> None:
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
-        a, b = replica("a", client), replica("b", client)
+        a, b = (replica_queues(prefix, n, client, "disagg") for n in "ab")
         await a.start()
         await b.start()
         now = time.time()
