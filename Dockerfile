@@ -4,6 +4,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY ampd ampd
 COPY gateway gateway
+COPY perfmodel perfmodel
 COPY planner planner
 COPY tools_sandbox tools_sandbox
 COPY workers workers

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from ampd.loadgen import stream_chat
 from ampd.processes import spawn_sim_worker, wait_healthy
-from planner.profile import load_profile
+from perfmodel.profile import load_profile
 
 
 @dataclass

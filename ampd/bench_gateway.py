@@ -29,8 +29,8 @@ from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
 from gateway.policies import POLICIES, route
 from gateway.routing import PrefillTask, WorkerView
-from planner.profile import load_profile
-from planner.slo import SLO
+from perfmodel.profile import load_profile
+from perfmodel.slo import SLO
 
 
 @dataclass

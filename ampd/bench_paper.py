@@ -34,10 +34,10 @@ from pathlib import Path
 from rich.progress import Progress
 
 from ampd.bench_sweep import SweepPoint
-from planner.catalog import TP_DEGREES
+from perfmodel.catalog import TP_DEGREES
+from perfmodel.slo import SLO
 from planner.plan import ProfileBook, attainment_key, plan
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.slo import SLO
 from planner.trace import WORKLOADS, generate
 
 PAPER_GPUS = {"toolbench": 8, "hotpotqa": 8, "dureader": 16, "gaia": 32}  # section 7.1

@@ -28,9 +28,9 @@ from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.replay import LiveRound, replay
 from ampd.stack import STATE_DIR
-from planner.profile import load_profile
+from perfmodel.profile import load_profile
+from perfmodel.slo import SLO, derived_slo
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.slo import SLO, derived_slo
 from planner.trace import TraceSession
 
 PREFIX = "ampd-bench-run"

@@ -18,8 +18,8 @@ from pathlib import Path
 from rich.progress import Progress
 
 from gateway.policies import POLICIES
+from perfmodel.slo import SLO
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.slo import SLO
 from planner.trace import Workload, generate
 
 COLOCATED = ("coloc", "continuum")

@@ -11,8 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.planning import paper_command, plan_command, simulate_command, sweep_command, trace_app
-from planner.catalog import GPUS, MODELS
-from planner.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
+from perfmodel.catalog import GPUS, MODELS
+from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from workers.registry import reachable_host
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
@@ -371,8 +371,8 @@ def profile_roofline(
     out: Annotated[Path | None, typer.Option(help="file to write; default: print")] = None,
 ) -> None:
     """Derive a profile from the roofline of a catalogued model and GPU."""
-    from planner.memory import MemoryPlan, fits
-    from planner.roofline import roofline_profile
+    from perfmodel.memory import MemoryPlan, fits
+    from perfmodel.roofline import roofline_profile
 
     if model not in MODELS or gpu not in GPUS:
         raise typer.BadParameter(f"unknown model or GPU; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
@@ -389,7 +389,7 @@ def profile_roofline(
 @profile_app.command("ship")
 def profile_ship() -> None:
     """Regenerate the shipped roofline profiles (planner/profiles/)."""
-    from planner.roofline import paper_profiles
+    from perfmodel.roofline import paper_profiles
 
     for prof in paper_profiles():
         prof.dump(PROFILES_DIR / f"{prof.name}.json")
@@ -399,8 +399,8 @@ def profile_ship() -> None:
 @profile_app.command("check")
 def profile_check() -> None:
     """The roofline next to DOPD's published Llama-3.3-70B-FP8/H100 measurements."""
-    from planner.published import compare_dopd_table_i
-    from planner.roofline import roofline_profile
+    from perfmodel.published import compare_dopd_table_i
+    from perfmodel.roofline import roofline_profile
 
     prof = roofline_profile(MODELS["llama-3.3-70b-fp8"], GPUS["H100"], 1)
     rows = compare_dopd_table_i(prof)
@@ -549,9 +549,9 @@ def bench_simulate(
     """Simulator speed: a ToolBench trace through 8 H20 (Llama-3.1-70B, P and D at TP4), on one core."""
     import json
 
-    from planner.profile import load_profile
+    from perfmodel.profile import load_profile
+    from perfmodel.slo import derived_slo
     from planner.simulator import Pool, SimConfig, simulate
-    from planner.slo import derived_slo
     from planner.trace import WORKLOADS, generate
 
     trace = generate(WORKLOADS["toolbench"], sessions, rate, seed=1)

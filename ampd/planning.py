@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from planner.catalog import GPUS, MODELS
-from planner.slo import DEFAULT_SCALE, SLO
+from perfmodel.catalog import GPUS, MODELS
+from perfmodel.slo import DEFAULT_SCALE, SLO
 
 ModelOption = Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")]
 ProfilesOption = Annotated[list[Path] | None, typer.Option(help="measured profile files instead of derived ones")]
@@ -63,8 +63,8 @@ def _load(trace: Path):
 
 
 def _book(model: str, profiles: list[Path] | None):
+    from perfmodel.profile import load_profile
     from planner.plan import ProfileBook
-    from planner.profile import load_profile
 
     try:
         return ProfileBook(model, [load_profile(p) for p in profiles or []])
@@ -167,8 +167,8 @@ def plan_command(
     report: Annotated[Path | None, typer.Option(help="write the ranking and taus as JSON here")] = None,
 ) -> None:
     """Pick TP and DP for each phase: simulated taus, then Eq. 5 solved with SCIP."""
+    from perfmodel.profile import shipped_profiles
     from planner import plan as planning
-    from planner.profile import shipped_profiles
 
     try:
         capacity = planning.parse_gpus(gpus, gpu_type)

@@ -7,6 +7,7 @@ RUN python3 -m pip install --no-cache-dir nixl
 COPY pyproject.toml README.md /src/
 COPY ampd /src/ampd
 COPY gateway /src/gateway
+COPY perfmodel /src/perfmodel
 COPY planner /src/planner
 COPY tools_sandbox /src/tools_sandbox
 COPY workers /src/workers

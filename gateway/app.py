@@ -49,7 +49,7 @@ from gateway.stats import WindowedStats
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.tracing import RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
-from planner.slo import SLO, derived_slo
+from perfmodel.slo import SLO, derived_slo
 from tools_sandbox.client import ToolRunner
 from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool

@@ -17,7 +17,7 @@ from typing import Literal
 
 from gateway.reordering import Decision, QueuedTask, reorder
 from gateway.routing import PrefillTask, Route, WorkerView, adaptive_route, local_cost, shortest_remote
-from planner.slo import SLO
+from perfmodel.slo import SLO
 
 Routing = Literal["adaptive", "remote", "local"]
 Queueing = Literal["fifo", "reorder", "session-priority"]

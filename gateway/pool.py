@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from gateway.config import StaticWorker
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.upstream import EngineClient, UpstreamError, WorkerLoad
-from planner.profile import load_profile
+from perfmodel.profile import load_profile
 from workers.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.profile import Profile, t_kv
-from planner.slo import SLO
+from perfmodel.profile import Profile, t_kv
+from perfmodel.slo import SLO
 
 
 @dataclass(frozen=True)

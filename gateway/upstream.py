@@ -21,15 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-NIXL_PREFILL = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
+from workers.wire import PREFILL_PARAMS, WorkerLoad, parse_load
 
 KEEPALIVE_S = 4.0  # below uvicorn's default timeout_keep_alive of 5 s
 
@@ -41,13 +33,6 @@ class UpstreamError(Exception):
     def __init__(self, message: str, status: int = 502, body: dict[str, Any] | None = None, lost: bool = False) -> None:
         super().__init__(message)
         self.status, self.body, self.lost = status, body, lost
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    kv_usage: float
-    running: int
-    waiting: int
 
 
 @dataclass
@@ -163,7 +148,7 @@ class EngineClient:
     async def prefill(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
         """Prefill on a prefill worker; returns the kv_transfer_params for the decoder."""
         prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=NIXL_PREFILL)
+        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         params = (await self._post(f"{url}/v1/chat/completions", prefill_body, request_id)).get("kv_transfer_params")
@@ -251,27 +236,6 @@ class EngineClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
         raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-LOAD_METRICS = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-
-
-def parse_load(exposition: str) -> WorkerLoad:
-    """The three gauges routing needs from a vLLM /metrics page, summed over label sets.
-
-    A line scan, not a full exposition parser: a scrape page holds hundreds of samples
-    and every gateway replica reads every worker's page every second.
-    """
-    values = dict.fromkeys(LOAD_METRICS, 0.0)
-    for line in exposition.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in values:
-            values[name] += float(line.rsplit(" ", 1)[1])
-    return WorkerLoad(
-        kv_usage=values["vllm:kv_cache_usage_perc"],
-        running=int(values["vllm:num_requests_running"]),
-        waiting=int(values["vllm:num_requests_waiting"]),
-    )
 
 
 async def _error_from(url: str, response: aiohttp.ClientResponse) -> UpstreamError:

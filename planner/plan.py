@@ -1,7 +1,7 @@
 """Offline planning: simulated tau coefficients, Eq. 5, and the deployment file.
 
 shared/seeds/003_517589c8db448ff1.txt, section 5 and Appendix A. For every GPU type,
-feasible TP degree n (the weights and a working KV cache fit: planner.memory) and
+feasible TP degree n (the weights and a working KV cache fit: perfmodel.memory) and
 replica count m, the simulator (planner.simulator) runs one replica of degree n of a
 phase on the share of the trace one of m replicas gets (every m-th session), with every
 prefill remote (``disagg``) so that each phase is measured on its own work, and the
@@ -25,13 +25,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.catalog import GPUS, MODELS, TP_DEGREES
+from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
+from perfmodel.memory import fits
+from perfmodel.profile import PROFILES_DIR, Profile, load_profile
+from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
+from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments, solve_with_stats
-from planner.memory import fits
-from planner.profile import PROFILES_DIR, Profile, load_profile
-from planner.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.slo import REFERENCE_PROMPT_TOKENS, SLO, derived_slo
 from planner.trace import TraceSession, subsample
 
 Progress = Callable[[str], None]

@@ -31,10 +31,10 @@ with vLLM's OpenAI HTTP surface (real vLLM or the GPU-free ``ampd worker sim``):
   median difference is ``Measurements.api_overhead_seconds``. Decode steps are always
   timed at the client: the slope of token arrivals carries no per-request overhead.
 
-* :func:`fit` (pure) turns the samples into a :class:`~planner.profile.Profile`:
+* :func:`fit` (pure) turns the samples into a :class:`~perfmodel.profile.Profile`:
   forward, prefill_attention and context_read jointly, as one linear least-squares
-  problem in the hinge basis of :mod:`planner.piecewise` (relative-error weighted),
-  and kv_transfer with :func:`planner.piecewise.fit_piecewise` on bytes per link.
+  problem in the hinge basis of :mod:`perfmodel.piecewise` (relative-error weighted),
+  and kv_transfer with :func:`perfmodel.piecewise.fit_piecewise` on bytes per link.
 
 * :func:`profile_worker` does both and writes the profile file.
 """
@@ -55,18 +55,16 @@ from typing import Any, Literal
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ConfigDict, Field
 from rich.table import Table
 from scipy.optimize import nnls
 
-from gateway.upstream import NIXL_PREFILL
-from planner.memory import MemoryPlan
-from planner.memory import kv_capacity_tokens as modelled_kv_capacity
-from planner.piecewise import Piece, PiecewiseLinear, fit_piecewise
-from planner.profile import CostPieces, Profile
-from planner.specs import GPUSpec, ModelSpec
-from workers.vllm.launch import cache_config
+from perfmodel.memory import MemoryPlan
+from perfmodel.memory import kv_capacity_tokens as modelled_kv_capacity
+from perfmodel.piecewise import Piece, PiecewiseLinear, fit_piecewise
+from perfmodel.profile import CostPieces, Profile
+from perfmodel.specs import GPUSpec, ModelSpec
+from workers import wire
 
 Progress = Callable[[str], None]
 Clock = Literal["client", "engine"]  # whose clock times a first token (see _Target.first_token)
@@ -211,7 +209,7 @@ def geometric_knots(xs: Sequence[float], ratio: float) -> list[float]:
 
 
 def hinge_columns(x: np.ndarray, knots: Sequence[float], intercept: bool) -> np.ndarray:
-    """The basis of :func:`planner.piecewise.fit_piecewise`: [1,] x, max(0, x - k) per knot."""
+    """The basis of :func:`perfmodel.piecewise.fit_piecewise`: [1,] x, max(0, x - k) per knot."""
     cols = ([np.ones_like(x)] if intercept else []) + [x] + [np.maximum(0.0, x - k) for k in knots]
     return np.column_stack(cols)
 
@@ -346,9 +344,9 @@ def _stats(rel: np.ndarray) -> tuple[float, float]:
 
 
 def roofline_kv_transfer(gpu: GPUSpec) -> PiecewiseLinear:
-    """The roofline's T_kv piece (planner.roofline.HOPPER_EFFICIENCY), for profiles
+    """The roofline's T_kv piece (perfmodel.roofline.HOPPER_EFFICIENCY), for profiles
     measured without a prefill worker."""
-    from planner.roofline import HOPPER_EFFICIENCY as eff
+    from perfmodel.roofline import HOPPER_EFFICIENCY as eff
 
     beta = 1.0 / (gpu.network_bandwidth * eff.network)
     return PiecewiseLinear(unit="bytes", pieces=[Piece(upto=None, alpha=eff.kv_transfer_latency_s, beta=beta)])
@@ -548,11 +546,7 @@ class _Target:
             return None
         if response.status_code != 200:
             return None
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(response.text):
-            for sample in family.samples:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-        return out
+        return wire.metric_totals(response.text)
 
     def body(self, prompt: list[int], max_tokens: int, **extra: Any) -> bytes:
         payload = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
@@ -576,15 +570,15 @@ class _Target:
         before = await self.metrics()
         client_s = await self._stream_one_token(prompt, **extra)
         after = await self.metrics()
-        count = _growth(before, after, "vllm:time_to_first_token_seconds_count")
+        count = _growth(before, after, f"{wire.TTFT}_count")
         for _ in range(40):  # vLLM records a step's stats a moment after streaming its outputs
             if count is None or count >= 1:
                 break
             await asyncio.sleep(0.025)
             after = await self.metrics()
-            count = _growth(before, after, "vllm:time_to_first_token_seconds_count")
-        hits = _growth(before, after, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
-        engine_s = _growth(before, after, "vllm:time_to_first_token_seconds_sum") if count == 1 else None
+            count = _growth(before, after, f"{wire.TTFT}_count")
+        hits = _growth(before, after, f"{wire.PREFIX_CACHE_HITS}_total", wire.PREFIX_CACHE_HITS)
+        engine_s = _growth(before, after, f"{wire.TTFT}_sum") if count == 1 else None
         if self.clock == "engine" and count not in (None, 1):
             raise ProfilerError(f"{self.url}: {count} first tokens during one request; is something else using it?")
         timed = Timed(client_s, engine_s, hits, self.clock)
@@ -618,7 +612,7 @@ class _Target:
             if metrics is None:
                 await asyncio.sleep(0.5)
                 return
-            busy = metrics.get("vllm:num_requests_running", 0) + metrics.get("vllm:num_requests_waiting", 0)
+            busy = metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0)
             if busy == 0:
                 return
             await asyncio.sleep(0.05)
@@ -648,7 +642,7 @@ async def _kv_capacity(t: _Target, rng: random.Random, max_model_len: int) -> tu
     reads ``vllm:kv_cache_usage_perc``: capacity = tokens / usage, within a block.
     """
     response = await t.client.get(f"{t.url}/metrics", timeout=10)
-    found = cache_config(response.text) if response.status_code == 200 else None
+    found = wire.cache_config(response.text) if response.status_code == 200 else None
     if found is not None:
         blocks, size = found
         return blocks * size, size, "vllm:cache_config_info"
@@ -668,7 +662,7 @@ async def _usage_while_holding(t: _Target, prompt: list[int]) -> float | None:
         async for line in r.aiter_lines():
             if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
                 metrics = await t.metrics()
-                usage = None if metrics is None else metrics.get("vllm:kv_cache_usage_perc")
+                usage = None if metrics is None else metrics.get(wire.KV_USAGE)
                 break  # leaving the block closes the stream: the engine aborts the request
     await t.wait_idle()
     return usage
@@ -746,7 +740,7 @@ async def _decode_point(
         (t0, n0), (t1, n1) = a[s], a[-1]
         slopes.append((t1 - t0) / (n1 - n0))
         # The step that produces token n reads c + n - 2 cached tokens (the sim's and
-        # planner.profile's convention: the tokens computed before the step).
+        # perfmodel.profile's convention: the tokens computed before the step).
         contexts.append(context + (n0 + 1 + n1) / 2 - 2)
     return DecodeSample(batch=batch, context=sum(contexts), seconds=statistics.median(slopes), prompt_tokens=context)
 
@@ -758,7 +752,7 @@ async def _transfer_point(
     totals, recomputes = [], []
     for _ in range(repeats):
         prompt = _tokens(rng, tokens)
-        params = (await prefill.complete(prompt, kv_transfer_params=NIXL_PREFILL)).get("kv_transfer_params")
+        params = (await prefill.complete(prompt, kv_transfer_params=wire.PREFILL_PARAMS)).get("kv_transfer_params")
         if not params:
             raise ProfilerError(f"{prefill.url} returned no kv_transfer_params (is it a NIXL kv_producer?)")
         totals.append((await decode.first_token(prompt, kv_transfer_params=params)).seconds)
@@ -913,7 +907,7 @@ async def profile_worker(
     capacity = m.kv_capacity_tokens
     if capacity is None:
         capacity = modelled_kv_capacity(model, gpu, tp, MemoryPlan())
-        m = m.model_copy(update={"kv_capacity_source": "planner.memory's estimate (the engine reported none)"})
+        m = m.model_copy(update={"kv_capacity_source": "perfmodel.memory's estimate (the engine reported none)"})
     profile, report = fit(m, model=model, gpu=gpu, tp=tp, kv_capacity_tokens=capacity, name=out_path.stem)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     profile.dump(out_path)

@@ -42,8 +42,8 @@ from gateway.binding import DecodeCandidate, choose_decode_worker
 from gateway.policies import POLICIES, Policy, pick, route
 from gateway.reordering import QueuedTask
 from gateway.routing import PrefillTask, Route, WorkerView
-from planner.profile import Profile, t_kv
-from planner.slo import SLO
+from perfmodel.profile import Profile, t_kv
+from perfmodel.slo import SLO
 from planner.trace import TraceSession
 from workers.sim.request import RemotePrefill, Request
 from workers.sim.scheduler import Scheduler, SchedulerConfig, Step

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
-from workers.vllm.launch import cache_config
+from workers.wire import cache_config
 
 
 @dataclass

@@ -17,8 +17,8 @@ from prometheus_client import generate_latest
 
 from ampd.cli import app
 from gateway.metrics import GatewayMetrics
+from perfmodel.profile import load_profile
 from planner.plan import DeploymentFile, PhaseDeployment
-from planner.profile import load_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from planner.profile import load_profile
+from perfmodel.profile import load_profile
 from workers.sim.kv_cache import KVCache, salt_hash
 from workers.sim.request import RemotePrefill, Request, RequestStatus
 from workers.sim.scheduler import Scheduler, SchedulerConfig, Step

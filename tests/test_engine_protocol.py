@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.upstream import NIXL_PREFILL
 from tests.engines import Engine, sse_events
+from workers.wire import PREFILL_PARAMS
 
 WEATHER = {
     "type": "function",
@@ -288,7 +288,7 @@ def test_client_disconnect_aborts_and_frees_kv(engine: Engine):
 
 # -- prefill/decode hand-off ---------------------------------------------------------
 
-NIXL_PARAMS = NIXL_PREFILL  # what vLLM's disaggregation proxy sends to the prefill engine
+NIXL_PARAMS = PREFILL_PARAMS  # what vLLM's disaggregation proxy sends to the prefill engine
 
 
 def handoff(prefill: Engine, decode: Engine, messages: list, max_tokens: int, **extra) -> tuple[dict, dict]:

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from ampd.local_redis import free_port
-from planner.profile import DEFAULT_PROFILE, load_profile
+from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import

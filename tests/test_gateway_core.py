@@ -17,8 +17,8 @@ from gateway.sessions import (
     conversation_hashes,
     explicit_session_id,
 )
-from planner.profile import load_profile, t_kv
-from planner.slo import SLO
+from perfmodel.profile import load_profile, t_kv
+from perfmodel.slo import SLO
 
 D_PROFILE = load_profile("llama-3.1-70b_h20_tp4")
 P_PROFILE = load_profile("llama-3.1-70b_h20_tp2")

@@ -8,12 +8,12 @@ import statistics
 import pytest
 from pydantic import ValidationError
 
-from planner.catalog import GPUS, MODELS
-from planner.memory import MemoryPlan, fits, kv_capacity_tokens
-from planner.piecewise import fit_piecewise
-from planner.profile import PROFILES_DIR, Profile, load_profile, shipped_profiles, t_kv
-from planner.published import compare_dopd_table_i
-from planner.roofline import paper_profiles, roofline_profile
+from perfmodel.catalog import GPUS, MODELS
+from perfmodel.memory import MemoryPlan, fits, kv_capacity_tokens
+from perfmodel.piecewise import fit_piecewise
+from perfmodel.profile import PROFILES_DIR, Profile, load_profile, shipped_profiles, t_kv
+from perfmodel.published import compare_dopd_table_i
+from perfmodel.roofline import paper_profiles, roofline_profile
 
 
 def test_fit_recovers_a_piecewise_linear_function():

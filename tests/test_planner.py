@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from perfmodel.profile import load_profile, t_kv
+from perfmodel.slo import SLO, derived_slo
 from planner.plan import ProfileBook, deployment_file, load_deployment, parse_gpus, parse_pool, plan
-from planner.profile import load_profile, t_kv
 from planner.simulator import Pool, SimConfig, Simulation, simulate
-from planner.slo import SLO, derived_slo
 from planner.trace import WORKLOADS, TraceRound, TraceSession, generate, load_trace, summarize, write_trace
 
 TP2 = load_profile("llama-3.1-70b_h20_tp2")

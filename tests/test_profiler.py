@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from planner.piecewise import Piece, PiecewiseLinear
-from planner.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
+from perfmodel.piecewise import Piece, PiecewiseLinear
+from perfmodel.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
 from planner.profiler import (
     DecodeSample,
     Grid,

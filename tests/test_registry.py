@@ -13,7 +13,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port, server_binary, start_private_redis
-from planner.profile import DEFAULT_PROFILE, load_profile
+from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from workers.registry import Registration, WorkerInfo, heartbeat_client, live_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from planner.profile import load_profile
+from perfmodel.profile import load_profile
 from tests.engines import start_sim_worker, stop
 
 PROFILE = "llama-3.1-70b_h20_tp2"

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 
 log = logging.getLogger(__name__)
 

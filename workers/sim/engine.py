@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from planner.profile import Profile, t_kv
+from perfmodel.profile import Profile, t_kv
 from workers.sim.kv_transfer import KVSideChannel, TransferError
 from workers.sim.metrics import EngineMetrics
 from workers.sim.request import Request

@@ -1,7 +1,7 @@
 """Paged KV cache with prefix caching, modelled on vLLM v1's BlockPool/KVCacheManager.
 
 * The cache is a fixed number of blocks of ``block_size`` tokens (the capacity comes
-  from the memory model, planner.memory).
+  from the memory model, perfmodel.memory).
 * A full block is identified by a hash chained over its parent's hash and its token
   ids, so equal prefixes share blocks across requests and rounds.
 * Blocks nobody references go to the tail of an LRU free queue but keep their hash:

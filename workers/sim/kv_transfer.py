@@ -4,7 +4,7 @@ vLLM's NixlConnector (vllm/distributed/kv_transfer/kv_connector/v1/nixl/) has th
 decode engine handshake once with each prefill engine on its side channel (engine
 id, block size, layout), then READ the blocks it lacks and notify the prefill engine,
 which frees them. Here the handshake returns the peer's profile too, so the puller
-can charge T_kv for the pair (planner.profile.t_kv), and a read both returns the
+can charge T_kv for the pair (perfmodel.profile.t_kv), and a read both returns the
 blocks' contents (their token ids) and counts as the notification.
 
 Routes (served by every sim worker, under its HTTP port, which it advertises as
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 
 
 class TransferError(Exception):

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from workers import wire
 from workers.sim.scheduler import Scheduler
 
 LABELS = ("model_name", "engine")
@@ -51,17 +52,17 @@ class _SchedulerState(Collector):
         values = [
             (
                 GaugeMetricFamily,
-                "vllm:num_requests_running",
+                wire.RUNNING,
                 "Number of requests in model execution batches.",
                 len(s.running),
             ),
             (
                 GaugeMetricFamily,
-                "vllm:num_requests_waiting",
+                wire.WAITING,
                 "Number of requests waiting to be processed.",
                 len(s.waiting),
             ),
-            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv.usage),
+            (GaugeMetricFamily, wire.KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", s.kv.usage),
             (
                 CounterMetricFamily,
                 "vllm:prefix_cache_queries",
@@ -70,7 +71,7 @@ class _SchedulerState(Collector):
             ),
             (
                 CounterMetricFamily,
-                "vllm:prefix_cache_hits",
+                wire.PREFIX_CACHE_HITS,
                 "Prefix cache hits, in terms of number of cached tokens.",
                 s.kv.stats.hits,
             ),
@@ -94,9 +95,7 @@ class _SchedulerState(Collector):
         # vLLM exports its CacheConfig as labels of a constant gauge; profilers read the KV capacity here.
         config = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.num_blocks,
                   "enable_prefix_caching": s.kv.enable_prefix_caching}  # fmt: skip
-        info = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config)
-        )
+        info = GaugeMetricFamily(wire.CACHE_CONFIG, "Information of the LLMEngine CacheConfig", labels=list(config))
         info.add_metric([str(v) for v in config.values()], 1.0)
         yield info
 
@@ -116,9 +115,7 @@ class EngineMetrics:
             return Counter(name, doc, LABELS, registry=self.registry).labels(*labels)
 
         token_buckets = _one_two_five(max_model_len)
-        self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
+        self.ttft = histogram(wire.TTFT, "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
@@ -139,7 +136,7 @@ class EngineMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.nixl_xfer_time = histogram(
-            "vllm:nixl_xfer_time_seconds",
+            wire.NIXL_TRANSFER_TIME,
             "Histogram of transfer duration for NIXL KV Cache transfers.",
             NIXL_XFER_BUCKETS,
         )

@@ -38,7 +38,7 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 from workers.sim.kv_cache import KVCache
 from workers.sim.request import Request, RequestStatus
 

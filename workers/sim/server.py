@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 from workers.registry import Registration, Role, WorkerInfo, heartbeat_client
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
@@ -34,6 +34,7 @@ from workers.sim.request import Request as EngineRequest
 from workers.sim.responder import Length, Reply, Responder, ScriptError
 from workers.sim.scheduler import Scheduler, SchedulerConfig
 from workers.sim.tokenizer import BOS, Tokenizer, render_chat
+from workers.wire import PULL_FIELDS, pull_params
 
 # vLLM bounds characters per token by its vocabulary's longest token; the sim's pieces
 # are words of any length, so it takes a bound real text stays far below.
@@ -152,11 +153,7 @@ class SimWorker:
             return False, None
         if role == "prefill":
             raise p.EngineError(400, "this worker is a prefill worker (kv_producer); it does not pull KV")
-        missing = [
-            k
-            for k in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids")
-            if params.get(k) in (None, "")
-        ]
+        missing = [k for k in PULL_FIELDS if params.get(k) in (None, "")]
         if missing:
             raise p.EngineError(400, f"kv_transfer_params lacks {', '.join(missing)}", param="kv_transfer_params")
         block_ids = params["remote_block_ids"]
@@ -175,21 +172,9 @@ class SimWorker:
     def kv_params_out(self, request: EngineRequest, held: tuple[int, ...]) -> dict[str, Any] | None:
         if not held:
             return None
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [list(held)],
-            "remote_engine_id": self.config.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.config.advertise_host,
-            "remote_port": self.config.port,
-            "tp_size": self.config.profile.tp,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": request.num_prompt_tokens,
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-        }
+        c = self.config
+        return pull_params(c.engine_id, request.request_id, c.advertise_host, c.port, list(held),
+                           request.num_prompt_tokens, c.profile.tp)  # fmt: skip
 
     def usage(self, stream: RequestStream, completion_tokens: int) -> p.Usage:
         request = stream.request

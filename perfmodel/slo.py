@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 
 REFERENCE_PROMPT_TOKENS = 1024
 DEFAULT_SCALE = 5.0

@@ -1,13 +1,13 @@
 """Published model architectures and GPU capabilities the shipped profiles derive from.
 
 Each entry says where its numbers come from. Parameter counts are computed from the
-architecture (planner.specs.ModelSpec.params_total) and agree with the model cards:
+architecture (perfmodel.specs.ModelSpec.params_total) and agree with the model cards:
 8.03B (Llama-3.1-8B), 70.55B (Llama-3.1-70B), 32.76B (Qwen3-32B), 46.70B (Mixtral-8x7B).
 """
 
 from __future__ import annotations
 
-from planner.specs import GPUSpec, ModelSpec
+from perfmodel.specs import GPUSpec, ModelSpec
 
 GiB = 2**30
 TB = 1e12

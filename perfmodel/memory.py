@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.specs import GPUSpec, ModelSpec
+from perfmodel.specs import GPUSpec, ModelSpec
 
 
 class MemoryPlan(BaseModel):

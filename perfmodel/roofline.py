@@ -1,6 +1,6 @@
 """Derive a profile from first principles when no measurements exist.
 
-Each piece of the performance model (planner.profile) is computed as a roofline: a
+Each piece of the performance model (perfmodel.profile) is computed as a roofline: a
 step takes the longer of its math at the discounted peak FLOP/s and its memory
 traffic at the discounted HBM bandwidth, plus tensor-parallel communication and a
 fixed per-step overhead - the discounted compute/memory/communication sums of seed
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.catalog import GPUS, MODELS, PAPER_SETUPS, TP_DEGREES
-from planner.memory import MemoryPlan, fits, kv_capacity_tokens
-from planner.piecewise import Piece, PiecewiseLinear, fit_piecewise
-from planner.profile import CostPieces, Efficiency, Profile
-from planner.specs import DTYPE_BYTES, GPUSpec, ModelSpec
+from perfmodel.catalog import GPUS, MODELS, PAPER_SETUPS, TP_DEGREES
+from perfmodel.memory import MemoryPlan, fits, kv_capacity_tokens
+from perfmodel.piecewise import Piece, PiecewiseLinear, fit_piecewise
+from perfmodel.profile import CostPieces, Efficiency, Profile
+from perfmodel.specs import DTYPE_BYTES, GPUSpec, ModelSpec
 
 HOPPER_EFFICIENCY = Efficiency(
     compute=0.45,
@@ -112,7 +112,7 @@ def roofline_profile(
         efficiency=efficiency,
         pieces=pieces,
         notes=(
-            "Derived by planner.roofline from the model and GPU specs above; regenerate "
+            "Derived by perfmodel.roofline from the model and GPU specs above; regenerate "
             "with `ampd profile roofline`. Replace with `ampd profile --worker URL` "
             "measurements where hardware is available."
         ),

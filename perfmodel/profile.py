@@ -31,9 +31,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.memory import MemoryPlan
-from planner.piecewise import PiecewiseLinear
-from planner.specs import GPUSpec, ModelSpec
+from perfmodel.memory import MemoryPlan
+from perfmodel.piecewise import PiecewiseLinear
+from perfmodel.specs import GPUSpec, ModelSpec
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "llama-3.1-8b_h100_tp1"

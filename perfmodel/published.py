@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.profile import Profile
+from perfmodel.profile import Profile
 
 DOPD_PREFILL_MS = {100: 36, 200: 46, 700: 125, 1200: 193, 1700: 269}
 DOPD_DECODE_MS = {  # sequence length -> {concurrency: step ms}
