@@ -1,7 +1,7 @@
 # Two commands: `make up` starts the local stack, `make test` runs the whole suite.
 # Both build .venv first (Python >= 3.11) and reinstall when pyproject.toml changes.
 # `make test` also builds .venv-vllm: vLLM's CPU build and NIXL, in a venv of their own
-# (shared/notes/vllm-on-cpu.md), for the tests that run real vLLM engines.
+# for the tests that run real vLLM engines.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' && echo $$p && break; done)
 VENV := .venv

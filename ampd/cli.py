@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ampd.planning import paper_command, plan_command, simulate_command, sweep_command, trace_app
+from ampd.bench.commands import bench_app
+from ampd.planning import plan_command, simulate_command, trace_app
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from workers.registry import reachable_host
@@ -18,7 +19,6 @@ from workers.registry import reachable_host
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
 worker_app = typer.Typer(help="Run an inference worker.", no_args_is_help=True)
 profile_app = typer.Typer(help="Performance-model profiles.", invoke_without_command=True)
-bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(worker_app, name="worker")
 app.add_typer(profile_app, name="profile")
 app.add_typer(bench_app, name="bench")
@@ -27,8 +27,6 @@ sessions_app = typer.Typer(help="Sessions a gateway served.", no_args_is_help=Tr
 app.add_typer(sessions_app, name="sessions")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
-bench_app.command("sweep")(sweep_command)
-bench_app.command("paper")(paper_command)
 console = Console()
 
 
@@ -332,7 +330,8 @@ def profile_measure(
         raise typer.Exit(0)
     import asyncio
 
-    from planner.profiler import profile_worker, report_table
+    from planner.profiler import profile_worker
+    from planner.profiler.fit import report_table
 
     if model not in MODELS or gpu not in GPUS or clock not in ("engine", "client"):
         raise typer.BadParameter(f"models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}; clocks: engine, client")
@@ -412,163 +411,6 @@ def profile_check() -> None:
     console.print(table)
     errors = [abs(r.rel_error) for r in rows]
     console.print(f"mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}")
-
-
-@bench_app.command("engine")
-def bench_engine(
-    profile: str = DEFAULT_PROFILE,
-    speed: float = 20.0,
-    tolerance: Annotated[float, typer.Option(help="allowed ITL excess over the model")] = 0.05,
-    output_tokens: int = 200,
-    port: int = 8190,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Concurrent streams one sim worker sustains on one core within the ITL tolerance."""
-    from ampd.bench_engine import run_engine_bench
-
-    raise typer.Exit(run_engine_bench(console, profile, speed, tolerance, output_tokens, port, out))
-
-
-@bench_app.command("gateway")
-def bench_gateway(
-    speed: float = 1.0,
-    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
-    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
-    output_tokens: int = 32,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Latency the gateway adds over calling a worker directly, and the routing decision's cost."""
-    from ampd.bench_gateway import run_gateway_bench
-
-    level_list = [int(x) for x in levels.split(",")]
-    raise typer.Exit(run_gateway_bench(console, speed, level_list, requests, output_tokens, out))
-
-
-@bench_app.command("overhead")
-def bench_overhead(
-    arms: Annotated[str, typer.Option(help="comma-separated, of direct, ampd, litellm, vllm-router")] = (
-        "direct,ampd,litellm,vllm-router"
-    ),
-    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
-    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
-    output_tokens: int = 32,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
-) -> None:
-    """Latency ampd, LiteLLM's proxy and vllm-router add over calling one worker directly."""
-    from ampd.bench_overhead import run_overhead_bench
-
-    level_list = [int(x) for x in levels.split(",")]
-    raise typer.Exit(run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, out))
-
-
-@bench_app.command("load")
-def bench_load(
-    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 1000,
-    minutes: Annotated[float, typer.Option(help="how long the gateway run lasts")] = 10.0,
-    baseline_minutes: Annotated[float, typer.Option(help="how long the direct run (the baseline) lasts")] = 3.0,
-    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 10.0,
-    policy: Annotated[str, typer.Option(help="gateway policy; coloc keeps the comparison to the gateway")] = "coloc",
-    rounds: int = 4,
-    output_tokens: int = 20,
-    think_min_s: float = 4.0,
-    think_max_s: float = 12.0,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Agent sessions for minutes through the gateway: lost rounds, errors, memory, added latency."""
-    from ampd.bench_load import LoadShape, run_load_bench
-
-    shape = LoadShape(rounds=rounds, output_tokens=output_tokens, think_s=(think_min_s, think_max_s))
-    raise typer.Exit(run_load_bench(console, agents, minutes, baseline_minutes, speed, policy, shape, out))
-
-
-@bench_app.command("chaos")
-def bench_chaos(
-    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 24,
-    minutes: float = 5.0,
-    interval_s: Annotated[float, typer.Option(help="seconds between faults")] = 15.0,
-    down_s: Annotated[float, typer.Option(help="seconds a killed part stays down")] = 3.0,
-    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 2.0,
-    rounds: Annotated[int, typer.Option(help="model calls per session")] = 3,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Agent sessions while decode/prefill/tools workers, Redis and gateway replicas are killed in turn."""
-    from ampd.bench_chaos import run_chaos_bench
-
-    raise typer.Exit(run_chaos_bench(console, agents, minutes, interval_s, down_s, speed, rounds, out))
-
-
-@bench_app.command("run")
-def bench_run(
-    trace: Annotated[Path | None, typer.Option(help="JSONL trace to replay (else one is generated)")] = None,
-    workload: Annotated[str, typer.Option(help="trace to generate: toolbench, gaia, hotpotqa or dureader")] = (
-        "toolbench"
-    ),
-    sessions: Annotated[int, typer.Option(help="sessions to generate")] = 120,
-    rate: Annotated[
-        float | None, typer.Option(help="sessions per modelled second (a given trace is re-spaced to it)")
-    ] = None,
-    policy: str = "ampd",
-    profile: str = "llama-3.1-70b_h20_tp4",
-    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
-    prefill_replicas: int = 1,
-    decode_replicas: int = 1,
-    seed: int = 0,
-    port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Replay a trace live (gateway + GPU-free workers), next to the simulator's prediction."""
-    from ampd.bench_run import LiveSetup, run_bench
-    from planner.trace import WORKLOADS, generate, load_trace, respace
-
-    try:
-        if trace is not None:
-            sessions_list = load_trace(trace)
-            label = str(trace) if rate is None else f"{trace} re-spaced to {rate:g}/s (seed {seed})"
-            if rate is not None:
-                sessions_list = respace(sessions_list, rate, seed)
-        elif workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
-        else:
-            rate = 0.5 if rate is None else rate
-            sessions_list = generate(WORKLOADS[workload], sessions, rate, seed)
-            label = f"{workload}, {sessions} sessions at {rate:g}/s (seed {seed})"
-    except (OSError, ValueError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from exc
-    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url)
-    raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
-
-
-@bench_app.command("simulate")
-def bench_simulate(
-    sessions: int = 10_000,
-    rate: Annotated[float, typer.Option(help="ToolBench sessions per second")] = 0.5,
-    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
-) -> None:
-    """Simulator speed: a ToolBench trace through 8 H20 (Llama-3.1-70B, P and D at TP4), on one core."""
-    import json
-
-    from perfmodel.profile import load_profile
-    from perfmodel.slo import derived_slo
-    from planner.simulator import Pool, SimConfig, simulate
-    from planner.trace import WORKLOADS, generate
-
-    trace = generate(WORKLOADS["toolbench"], sessions, rate, seed=1)
-    tp4 = load_profile("llama-3.1-70b_h20_tp4")
-    config = SimConfig(
-        decode=Pool(tp4, 1), prefill=Pool(tp4, 1), slo=derived_slo(load_profile("llama-3.1-70b_h20_tp2"))
-    )
-    with console.status(f"simulating {sessions:,} sessions"):
-        report = simulate(config, trace)
-    console.print(
-        f"{report.sessions:,} sessions, {report.rounds:,} rounds, {report.makespan_s:,.0f} s simulated in "
-        f"{report.wall_s:.1f} s wall ({report.rounds / report.wall_s:,.0f} rounds/s); "
-        f"SLO attainment {report.slo_attainment_rounds:.1%}"
-    )
-    if out is not None:
-        out.write_text(json.dumps({"sessions": sessions, "rate": rate, "report": report.model_dump()}, indent=2) + "\n")
-        console.print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ trace_app = typer.Typer(help="Multi-round workload traces (JSONL).", no_args_is_
 console = Console()
 
 
-def _fail(message: str) -> typer.Exit:
+def fail(message: str) -> typer.Exit:
     console.print(f"[red]{message}[/red]")
     return typer.Exit(2)
 
@@ -38,7 +38,7 @@ def trace_generate(
     from planner.trace import WORKLOADS, generate, summarize, write_trace
 
     if workload not in WORKLOADS:
-        raise _fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+        raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
     trace = generate(WORKLOADS[workload], sessions, rate, seed)
     write_trace(trace, out)
     shape, target = summarize(trace), WORKLOADS[workload]
@@ -59,25 +59,25 @@ def _load(trace: Path):
     try:
         return load_trace(trace)
     except (OSError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
-def _book(model: str, profiles: list[Path] | None):
+def profile_book(model: str, profiles: list[Path] | None):
     from perfmodel.profile import load_profile
     from planner.plan import ProfileBook
 
     try:
         return ProfileBook(model, [load_profile(p) for p in profiles or []])
     except (OSError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
 
 
-def _slo(book, gpu: str, scale: float, ttft: float | None, itl: float | None) -> SLO:
+def slo_for(book, gpu: str, scale: float, ttft: float | None, itl: float | None) -> SLO:
     derived = book.reference_slo(gpu, scale)
     return SLO(ttft or derived.ttft_s, itl or derived.itl_s)
 
 
-def _ms(seconds: float | None) -> str:
+def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.0f} ms"
 
 
@@ -85,12 +85,12 @@ def report_table(reports) -> Table:
     """Simulation reports side by side, one column each."""
     table = Table("", *[f"P {r.prefill}\nD {r.decode}\n{r.policy}" for r in reports])
     rows = [
-        ("TTFT initial mean / P95", lambda r: f"{_ms(r.ttft_initial.mean_s)} / {_ms(r.ttft_initial.p95_s)}"),
+        ("TTFT initial mean / P95", lambda r: f"{ms(r.ttft_initial.mean_s)} / {ms(r.ttft_initial.p95_s)}"),
         (
             "TTFT incremental mean / P95",
-            lambda r: f"{_ms(r.ttft_incremental.mean_s)} / {_ms(r.ttft_incremental.p95_s)}",
+            lambda r: f"{ms(r.ttft_incremental.mean_s)} / {ms(r.ttft_incremental.p95_s)}",
         ),
-        ("ITL (per round) mean / P95", lambda r: f"{_ms(r.itl.mean_s)} / {_ms(r.itl.p95_s)}"),
+        ("ITL (per round) mean / P95", lambda r: f"{ms(r.itl.mean_s)} / {ms(r.itl.p95_s)}"),
         ("SLO attainment, rounds", lambda r: f"{r.slo_attainment_rounds:.1%}"),
         ("SLO attainment, sessions", lambda r: f"{r.slo_attainment_sessions:.1%}"),
         ("incremental prefills local", lambda r: f"{r.local_share_incremental:.1%}"),
@@ -123,24 +123,24 @@ def simulate_command(
     from planner.simulator import Pool, SimConfig, simulate
 
     if policy not in POLICIES:
-        raise _fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
+        raise fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     if gpu not in GPUS:
-        raise _fail(f"unknown GPU type {gpu!r}; one of {', '.join(GPUS)}")
-    sessions, book = _load(trace), _book(model, profile)
+        raise fail(f"unknown GPU type {gpu!r}; one of {', '.join(GPUS)}")
+    sessions, book = _load(trace), profile_book(model, profile)
     try:
         pools = {}
         for phase, spec in (("prefill", prefill), ("decode", decode)):
             if spec and spec.lower() != "none":
                 tp, dp = parse_pool(spec)
                 pools[phase] = Pool(book.get(gpu, tp), dp)
-        slo = _slo(book, gpu, slo_scale, ttft_slo_s, itl_slo_s)
+        slo = slo_for(book, gpu, slo_scale, ttft_slo_s, itl_slo_s)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     config = SimConfig(decode=pools["decode"], prefill=pools.get("prefill"), slo=slo, policy=policy, seed=seed)
     with console.status(f"simulating {len(sessions):,} sessions"):
         report = simulate(config, sessions)
     console.print(report_table([report]))
-    console.print(f"SLO: TTFT {_ms(slo.ttft_s)}, ITL {_ms(slo.itl_s)}")
+    console.print(f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)}")
     if out is not None:
         out.write_text(report.model_dump_json(indent=2) + "\n")
         console.print(f"wrote {out}")
@@ -173,9 +173,9 @@ def plan_command(
     try:
         capacity = planning.parse_gpus(gpus, gpu_type)
     except ValueError as exc:
-        raise _fail(str(exc)) from exc
-    sessions, book = _load(trace), _book(model, profile)
-    slo = _slo(book, next(iter(capacity)), slo_scale, ttft_slo_s, itl_slo_s)
+        raise fail(str(exc)) from exc
+    sessions, book = _load(trace), profile_book(model, profile)
+    slo = slo_for(book, next(iter(capacity)), slo_scale, ttft_slo_s, itl_slo_s)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("planning")
@@ -189,17 +189,17 @@ def plan_command(
                 planning.exhaustive(book, sessions, result.options, capacity, slo, policy, progress) if validate else []
             )
         except ValueError as exc:
-            raise _fail(str(exc)) from exc
+            raise fail(str(exc)) from exc
     table = Table("rank", "configuration", "Eq. 5 rank", "Z", "tau_pre", "tau_dec", "P95 TTFT", "SLO attainment")
     for i, r in enumerate(result.ranked, 1):
         d = r.deployment
         table.add_row(
             f"#{i}", _config(d), f"#{r.eq5_rank}", f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
-            _ms(r.predicted.ttft.p95_s), f"{r.predicted.slo_attainment_rounds:.1%}",
+            ms(r.predicted.ttft.p95_s), f"{r.predicted.slo_attainment_rounds:.1%}",
         )  # fmt: skip
     console.print(table)
     console.print(
-        f"SLO: TTFT {_ms(slo.ttft_s)}, ITL {_ms(slo.itl_s)}; {len(result.options)} tau coefficients from "
+        f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)}; {len(result.options)} tau coefficients from "
         f"{len(result.samples)} simulations; SCIP solved top {len(result.ranked)} in {result.solve_s:.2f} s"
     )
     if checked:
@@ -242,103 +242,3 @@ def _plan_json(result, checked) -> dict:
         "taus": [asdict(o) for o in result.options],
         "solve_s": result.solve_s,
     }
-
-
-def sweep_command(
-    workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
-    rates: Annotated[str, typer.Option(help="arrival rates, sessions/s, comma-separated")] = "1.0,1.5,2.0,2.5,3.0",
-    policies: Annotated[str, typer.Option(help="comma-separated")] = "ampd,disagg,coloc,continuum",
-    model: ModelOption = "llama-3.1-70b",
-    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
-    prefill: Annotated[str, typer.Option(help="prefill pool TPxDP of the disaggregated policies")] = "4x1",
-    decode: Annotated[str, typer.Option(help="decode pool TPxDP of the disaggregated policies")] = "4x1",
-    colocated: Annotated[str, typer.Option(help="the one pool TPxDP of coloc and continuum")] = "4x2",
-    profile: ProfilesOption = None,
-    sessions: Annotated[int, typer.Option(help="sessions per point")] = 400,
-    slo_scale: float = DEFAULT_SCALE,
-    seed: int = 0,
-    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results"),
-) -> None:
-    """SLO attainment against arrival rate per policy, simulated (the shape of the paper's Figure 4)."""
-    from rich.progress import BarColumn, MofNCompleteColumn
-
-    from ampd.bench_sweep import sweep, write
-    from planner.plan import parse_pool
-    from planner.simulator import Pool
-    from planner.trace import WORKLOADS
-
-    if workload not in WORKLOADS:
-        raise _fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
-    book = _book(model, profile)
-    try:
-        rate_list = [float(r) for r in rates.split(",") if r]
-        pools = [Pool(book.get(gpu, tp), dp) for tp, dp in map(parse_pool, (prefill, decode, colocated))]
-        slo = _slo(book, gpu, slo_scale, None, None)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console) as progress:
-            points = sweep(WORKLOADS[workload], rate_list, policies.split(","), (pools[0], pools[1]), pools[2],
-                           slo, sessions, seed, progress)  # fmt: skip
-    except ValueError as exc:
-        raise _fail(str(exc)) from exc
-    title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, "
-             f"SLO TTFT {_ms(slo.ttft_s)} / ITL {_ms(slo.itl_s)} (simulated)")  # fmt: skip
-    for path in write(points, out_dir, f"sweep_{workload}", title):
-        console.print(f"wrote {path}")
-
-
-def paper_command(
-    workloads: Annotated[
-        str,
-        typer.Option(help="comma-separated, of toolbench, hotpotqa, dureader, gaia"),
-    ] = "toolbench,hotpotqa,dureader,gaia",
-    rates: Annotated[
-        list[str] | None, typer.Option(help="WORKLOAD=R1,R2,... (sessions/s) to replace a trace's default rates")
-    ] = None,
-    model: ModelOption = "llama-3.1-70b",
-    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
-    profile: ProfilesOption = None,
-    sessions: Annotated[
-        int | None, typer.Option(help="sessions per point; default 300, and 800 for GAIA's minutes-long sessions")
-    ] = None,
-    slo_scale: float = DEFAULT_SCALE,
-    sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 1.2,
-    seed: int = 0,
-    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
-) -> None:
-    """The paper's comparison: every policy on its best deployment at the paper's cluster sizes (simulated)."""
-    from rich.progress import BarColumn, MofNCompleteColumn
-
-    from ampd.bench_paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
-
-    names = [w for w in workloads.split(",") if w]
-    unknown = [w for w in names if w not in PAPER_GPUS]
-    if unknown or not names:
-        raise _fail(f"unknown workloads {unknown}; one or more of {', '.join(PAPER_GPUS)}")
-    grid = dict(DEFAULT_RATES)
-    try:
-        for spec in rates or []:
-            name, _, values = spec.partition("=")
-            if name not in PAPER_GPUS or not values:
-                raise ValueError(f"bad --rates {spec!r}: write WORKLOAD=R1,R2 with a known workload")
-            grid[name] = tuple(float(r) for r in values.split(","))
-        book = _book(model, profile)
-        slos = {w: trace_slo(book, gpu, w, slo_scale) for w in names}
-        counts = {w: sessions or DEFAULT_SESSIONS[w] for w in PAPER_GPUS}
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console) as progress:
-            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], counts[w], slos[w], seed, progress)]
-        setup, sensitive = "", []
-        if sensitivity_rate > 0:
-            dureader = trace_slo(book, gpu, "dureader", slo_scale)
-            with console.status("sensitivity to w, alpha and beta (DuReader)"):
-                setup, sensitive = sensitivity(
-                    book, gpu, "dureader", sensitivity_rate, counts["dureader"], dureader, seed
-                )
-            setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
-    except ValueError as exc:
-        raise _fail(str(exc)) from exc
-    per_point = ", ".join(f"{w} {counts[w]}" for w in names)
-    title = (f"{model} on {gpu}, sessions per point: {per_point}, SLO scale {slo_scale:g} "
-             "(simulated; every policy on its best deployment)")  # fmt: skip
-    for path in write(out_dir, title, points, slos, setup, sensitive):
-        console.print(f"wrote {path}")

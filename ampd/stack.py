@@ -99,6 +99,8 @@ def run_stack(
             soft_wrap=True,
         )
         console.print(f"OpenAI SDK: OpenAI(base_url='{gateway.url}/v1', api_key='unused'). Ctrl-C stops everything.")
+        # Ctrl-C and SIGTERM stop the stack, also where SIGINT came in ignored (a shell's background job).
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
         while tools.poll() is None and all(c.process.poll() is None for c in children):
             time.sleep(0.5)

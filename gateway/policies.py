@@ -1,7 +1,7 @@
 """Scheduling policies behind one switch: AMPD, its ablations, and the baselines.
 
-Every policy is a routing rule plus a queue discipline over the same engines
-(shared/DESIGN.md, "Baselines"): ``ampd`` (Alg. 1 + Alg. 2), ``disagg`` (every prefill
+Every policy is a routing rule plus a queue discipline over the same engines:
+``ampd`` (Alg. 1 + Alg. 2), ``disagg`` (every prefill
 remote, FIFO: the Dynamo baseline), ``coloc`` (every prefill on the engine that
 decodes, FIFO: the vLLM baseline), ``continuum`` (colocated, a session's continuing
 rounds first: vLLM-Continuum), ``ampd-routing-only`` and ``ampd-reorder-only``.
@@ -10,14 +10,12 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from gateway.reordering import Decision, QueuedTask, reorder
-from gateway.routing import PrefillTask, Route, WorkerView, adaptive_route, local_cost, shortest_remote
-from perfmodel.slo import SLO
+from gateway.routing import Route, RouteContext, adaptive_route, local_cost, shortest_remote
 
 Routing = Literal["adaptive", "remote", "local"]
 Queueing = Literal["fifo", "reorder", "session-priority"]
@@ -50,22 +48,13 @@ POLICIES: dict[str, Policy] = {
 }
 
 
-def route(
-    policy: Policy,
-    task: PrefillTask,
-    decode: WorkerView,
-    prefills: Sequence[WorkerView],
-    slo: SLO,
-    alpha: float,
-    beta: float,
-    rng: random.Random,
-) -> Route:
-    """Where ``task`` prefills. Without prefill workers every policy prefills locally."""
-    if policy.routing == "local" or not prefills or not policy.uses_prefill_workers:
-        return Route("local", decode.worker_id, "policy", local_cost(task, decode))
+def route(policy: Policy, ctx: RouteContext) -> Route:
+    """Where ``ctx.task`` prefills. Without prefill workers every policy prefills locally."""
+    if policy.routing == "local" or not ctx.prefills or not policy.uses_prefill_workers:
+        return Route("local", ctx.decode.worker_id, "policy", local_cost(ctx.task, ctx.decode))
     if policy.routing == "remote":
-        return shortest_remote(task, decode, prefills)
-    return adaptive_route(task, decode, prefills, slo, alpha, beta, rng)
+        return shortest_remote(ctx)
+    return adaptive_route(ctx)
 
 
 def pick(policy: Policy, window: Sequence[QueuedTask], now: float, w: int) -> Decision:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.binding import Arrivals, DecodeCandidate
 from gateway.config import StaticWorker
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.upstream import EngineClient, UpstreamError, WorkerLoad
@@ -47,14 +47,11 @@ class WorkerPool:
         self.redis, self.prefix, self.static, self.client, self.health = redis, prefix, static, client, health
         self.workers: dict[str, LiveWorker] = {}
         self._static_infos: dict[str, WorkerInfo] = {}
-        # Prompt tokens of sessions bound to a worker that no scrape shows yet: their round is
-        # queued or prefilling elsewhere, or has reached the worker since the last scrape began.
-        self.arriving: Counter[str] = Counter()
-        self._landed: Counter[str] = Counter()  # of those, the ones already on their worker
+        self.arrivals = Arrivals()  # bound sessions' KV no scrape shows yet (gateway.binding)
         self._registered_at: dict[str, float] = {}  # when the registry last listed each worker
 
     async def refresh(self) -> None:
-        landed, self._landed = self._landed, Counter()  # what this refresh's scrapes will show
+        landed = self.arrivals.scrape_started()
         now = time.monotonic()
         last_view = [w.info for w in self.workers.values() if w.info.worker_id not in self._static_infos]
         try:
@@ -79,7 +76,7 @@ class WorkerPool:
                 continue
             fresh[info.worker_id] = LiveWorker(info, load)
         self.workers = fresh
-        self.arriving -= landed
+        self.arrivals.scraped(landed)
 
     async def _static(self) -> list[WorkerInfo]:
         for spec in self.static:
@@ -112,18 +109,19 @@ class WorkerPool:
     def get(self, worker_id: str) -> LiveWorker | None:
         return self.workers.get(worker_id)
 
-    def expect(self, worker_id: str, tokens: int) -> None:
-        self.arriving[worker_id] += tokens
-
-    def arrived(self, worker_id: str, tokens: int) -> None:
-        """A bound round reached its decode worker: the next scrape will show its KV."""
-        self._landed[worker_id] += tokens
+    def decode_candidates(self, model: str) -> list[DecodeCandidate]:
+        """The decode workers taking new rounds, as binding sees them."""
+        return [
+            DecodeCandidate(
+                w.info.worker_id, w.load.kv_usage, w.info.kv_capacity_tokens, self.arrivals.tokens[w.info.worker_id]
+            )  # fmt: skip
+            for w in self.decoders(model)
+        ]
 
     def forget(self, worker_id: str) -> None:
         """Leave out a worker whose connection just failed, until its next good scrape."""
         self.workers.pop(worker_id, None)
-        self.arriving.pop(worker_id, None)
-        self._landed.pop(worker_id, None)
+        self.arrivals.forget(worker_id)
 
     def serving(self, worker_id: str) -> LiveWorker | None:
         """The worker if it takes new rounds (live and not draining)."""

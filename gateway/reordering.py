@@ -1,6 +1,6 @@
 """In what order a worker's queued prefills run: AMPD's TTFT-aware reordering (Alg. 2).
 
-shared/seeds/003_517589c8db448ff1.txt, section 4.2. Pure: no I/O. At each dispatch the
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 4.2. Pure: no I/O. At each dispatch the
 head window of w tasks is reordered to maximise the number of tasks predicted to meet
 TTFT_thres (Eq. 3-4), skipping orderings that postpone a task already postponed w
 times; the head of the chosen order runs next.

@@ -1,8 +1,9 @@
 """Where a prefill runs: AMPD's adaptive routing (Alg. 1 with Eq. 1-2). Pure: no I/O.
 
-shared/seeds/003_517589c8db448ff1.txt, section 4.1. A prefill task of a session bound
-to decode worker d either runs *locally* on d, whose prefix cache holds the session's
-history, or *remotely* on a prefill worker, whose output KV d then pulls.
+"Efficient Multi-round LLM Inference over Disaggregated Serving" (AMPD), section 4.1. A
+prefill task of a session bound to decode worker d either runs *locally* on d, whose
+prefix cache holds the session's history, or *remotely* on a prefill worker, whose
+output KV d then pulls.
 
 Eq. 2 is modelled as vLLM's NixlConnector protocol really behaves (the paper assumes
 a prefill worker can read the history KV from d; vLLM's cannot):
@@ -15,13 +16,15 @@ a prefill worker can read the history KV from d; vLLM's cannot):
 
 Costs come from each worker's profile divided by its ``speed`` (a GPU-free worker
 may run faster than the GPU it models), so they compare with wall-clock statistics.
+Every rule takes one :class:`RouteContext`: the task, the workers as routing sees them,
+the SLO and the knobs.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from perfmodel.profile import Profile, t_kv
@@ -33,7 +36,6 @@ class PrefillTask:
     """One prefill: the first of a session (l_hist = 0) or an incremental one."""
 
     task_id: str
-    session_id: str
     l_hist: int  # tokens of this session the bound decode worker already holds
     l_total: int  # prompt tokens of this round
     created_at: float  # when the round's TTFT clock started
@@ -64,6 +66,19 @@ class WorkerView:
 
 
 @dataclass(frozen=True)
+class RouteContext:
+    """Everything a routing rule may look at for one task (one object, as llm-d's plugins take)."""
+
+    task: PrefillTask
+    decode: WorkerView  # the session's decode worker
+    prefills: Sequence[WorkerView]  # prefill workers it may use (none: local only)
+    slo: SLO
+    alpha: float = 0.9  # Alg. 1's TTFT slack factor
+    beta: float = 0.85  # Alg. 1's ITL slack factor
+    rng: random.Random = field(default_factory=random.Random)
+
+
+@dataclass(frozen=True)
 class Route:
     kind: Literal["local", "remote"]
     worker_id: str
@@ -71,28 +86,29 @@ class Route:
     estimate_s: float | None = None  # Eq. 1 or 2, when it was computed
 
 
+def local_compute(task: PrefillTask, decode: WorkerView) -> float:
+    """The increment prefilled on the bound decode worker, whose cache holds the history."""
+    return decode.t_pre(task.l_hist, task.l_incr)
+
+
+def remote_compute(task: PrefillTask, prefill: WorkerView) -> float:
+    """What a prefill worker computes: the prompt less what its own prefix cache holds."""
+    cached = min(prefill.cached_tokens, task.l_total - 1)
+    return prefill.t_pre(cached, task.l_total - cached)
+
+
 def local_cost(task: PrefillTask, decode: WorkerView) -> float:
     """Eq. 1: prefill the increment on the bound decode worker, after its queue."""
-    return decode.t_pre(task.l_hist, task.l_incr) + decode.queue_cost
+    return local_compute(task, decode) + decode.queue_cost
 
 
 def remote_cost(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:
     """Eq. 2 as vLLM's protocol allows: compute what i lacks, d pulls what it lacks, plus i's queue."""
-    cached = min(prefill.cached_tokens, task.l_total - 1)
-    compute = prefill.t_pre(cached, task.l_total - cached)
     transfer = t_kv(task.l_total - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
-    return compute + transfer + prefill.queue_cost
+    return remote_compute(task, prefill) + transfer + prefill.queue_cost
 
 
-def adaptive_route(
-    task: PrefillTask,
-    decode: WorkerView,
-    prefills: Sequence[WorkerView],
-    slo: SLO,
-    alpha: float,
-    beta: float,
-    rng: random.Random,
-) -> Route:
+def adaptive_route(ctx: RouteContext) -> Route:
     """AMPD Alg. 1.
 
     Lines 1-3 take a prefill worker with TTFT slack; the paper takes any (it shuffles).
@@ -110,15 +126,15 @@ def adaptive_route(
     of "slack" rounds 9.2 s against a 5.5 s SLO). Local prefills likewise take one slot
     of d at a time, so d's ITL barely moves while its queue grows.
     """
-    budget = alpha * slo.ttft_s
-    remote = [(remote_cost(task, p, decode), p) for p in prefills]
+    task, decode, budget = ctx.task, ctx.decode, ctx.alpha * ctx.slo.ttft_s
+    remote = [(remote_cost(task, p, decode), p) for p in ctx.prefills]
     slack = [(cost, p) for cost, p in remote if (p.windowed_ttft or 0.0) <= budget and cost <= budget]
     if slack:  # lines 1-3
-        rng.shuffle(slack)
+        ctx.rng.shuffle(slack)
         cost, chosen = min(slack, key=lambda pair: pair[0])
         return Route("remote", chosen.worker_id, "ttft-slack", cost)
     local = local_cost(task, decode)
-    if (decode.windowed_itl or 0.0) <= beta * slo.itl_s and local <= budget:  # lines 4-5
+    if (decode.windowed_itl or 0.0) <= ctx.beta * ctx.slo.itl_s and local <= budget:  # lines 4-5
         return Route("local", decode.worker_id, "itl-slack", local)
     best = Route("local", decode.worker_id, "cost", local)  # lines 6-9
     for cost, p in remote:
@@ -127,8 +143,8 @@ def adaptive_route(
     return best
 
 
-def shortest_remote(task: PrefillTask, decode: WorkerView, prefills: Sequence[WorkerView]) -> Route:
+def shortest_remote(ctx: RouteContext) -> Route:
     """Always remote, to the prefill worker with the lowest Eq. 2 cost (the disaggregated baseline)."""
-    costs = [(remote_cost(task, p, decode), p.worker_id) for p in prefills]
+    costs = [(remote_cost(ctx.task, p, ctx.decode), p.worker_id) for p in ctx.prefills]
     cost, worker_id = min(costs)
     return Route("remote", worker_id, "policy", cost)

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.core import SessionState
 from gateway.outage import REDIS_DOWN, RedisHealth
 
 MAX_ROUND_RECORDS = 1000
@@ -38,11 +39,7 @@ ACTIVE_WINDOW_S = 300  # a session with an exchange this recent counts as active
 class Session:
     session_id: str
     scope: str
-    decode_worker: str
-    l_hist: int = 0  # tokens of this session the decode worker holds (prompt + output so far)
-    prefill_worker: str = ""  # the prefill worker that served its last remote round
-    prefill_cached: int = 0  # tokens of this session in that worker's prefix cache
-    rounds: int = 0
+    state: SessionState  # where its KV is: the round core's part (gateway.core)
     created: float = 0.0
     explicit_id: bool = True
     conversation_len: int = 0  # messages in the conversation the client holds
@@ -50,6 +47,11 @@ class Session:
     has_transcript: bool = False  # the engine holds more than the client sees (server tool rounds)
     trace_id: str = ""  # the session's span (gateway.tracing), parent of its rounds' spans
     span_id: str = ""
+
+    def fields(self) -> dict[str, str]:
+        """The session as the flat Redis hash ``load`` reads back."""
+        flat = {k: v for k, v in asdict(self).items() if k != "state"} | asdict(self.state)
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in flat.items()}
 
 
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -128,14 +130,17 @@ class SessionStore:
         if not fields:
             held = self._held.get(key)
             return None if held is None else replace(held)
-        return Session(
-            session_id=session_id,
-            scope=scope,
+        state = SessionState(
             decode_worker=fields["decode_worker"],
             l_hist=int(fields["l_hist"]),
             prefill_worker=fields["prefill_worker"],
             prefill_cached=int(fields["prefill_cached"]),
             rounds=int(fields["rounds"]),
+        )
+        return Session(
+            session_id=session_id,
+            scope=scope,
+            state=state,
             created=float(fields["created"]),
             explicit_id=fields["explicit_id"] == "1",
             conversation_len=int(fields["conversation_len"]),
@@ -162,9 +167,8 @@ class SessionStore:
         session.conversation_len = len(conversation)
         session.conversation_hash = conversation_hashes(session.scope, conversation)[-1]
         session.has_transcript = transcript is not None
-        fields = {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(session).items()}
         key = self._key(session.scope, session.session_id)
-        pipe.hset(key, mapping=fields)
+        pipe.hset(key, mapping=session.fields())
         pipe.expire(key, self.ttl_s)
         self._hold(key, replace(session))
         transcript_key = self._transcript(session.scope, session.session_id)
@@ -226,8 +230,8 @@ class SessionStore:
         return next((sid for sid in reversed(found) if sid), None)
 
 
-def new_session(session_id: str, scope: str, decode_worker: str, explicit_id: bool) -> Session:
-    return Session(session_id, scope, decode_worker, created=time.time(), explicit_id=explicit_id)
+def new_session(session_id: str, scope: str, state: SessionState, explicit_id: bool) -> Session:
+    return Session(session_id, scope, state, created=time.time(), explicit_id=explicit_id)
 
 
 def continues(session: Session, hashes: Sequence[str]) -> bool:

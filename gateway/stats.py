@@ -1,15 +1,16 @@
 """Windowed TTFT/ITL statistics shared by every gateway replica through Redis.
 
-AMPD (section 3) keeps, per worker, the mean TTFT and ITL over the last 10 s in shared
-memory so that routing sees the whole system. Here each observation is added to a
-one-second bucket (a Redis hash with a sum and a count that expires after the
-window); the windowed mean is the sum over the window's buckets divided by their
-count. A round contributes its TTFT once and its ITL as (sum of gaps, number of gaps),
-so the ITL mean is over tokens, not rounds. Every request reads the statistics, so the
-read is one server-side script; writes ride along with the round's other writes.
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 3)
+keeps, per worker, the mean TTFT and ITL over the last 10 s in shared memory so that
+routing sees the whole system. Here each observation is added to a one-second bucket
+(a Redis hash with a sum and a count that expires after the window); the windowed mean
+is the sum over the window's buckets divided by their count. A round contributes its
+TTFT once and its ITL as (sum of gaps, number of gaps), so the ITL mean is over tokens,
+not rounds. Every request reads the statistics, so the read is one server-side script;
+writes ride along with the round's other writes. :class:`WindowedMeans` is the same
+arithmetic in memory, for the simulator.
 
-Series: ``ttft`` per prefill worker (remote rounds), ``ttft_local`` per decode worker
-(local rounds), ``itl`` per decode worker.
+The series and what a round observes in them are the round core's (gateway.core).
 """
 
 from __future__ import annotations
@@ -20,44 +21,37 @@ from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from gateway import scripts
+from gateway.core import Observation
 from gateway.outage import REDIS_DOWN, RedisHealth
 
-# ARGV: key prefix, first second, window, then (series, worker) pairs; returns sum, count per pair.
-_MEANS = """
-local out = {}
-local first, window = tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 4, #ARGV, 2 do
-  local total, count = 0, 0
-  for s = first, first + window - 1 do
-    local v = redis.call('HMGET', ARGV[1] .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
-    if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
-  end
-  table.insert(out, tostring(total))
-  table.insert(out, count)
-end
-return out
-"""
+
+def bucket(now: float) -> int:
+    """The one-second bucket an observation at ``now`` goes to."""
+    return math.floor(now)
+
+
+def first_bucket(now: float, window_s: int) -> int:
+    """The oldest bucket of the window that ends with ``now``'s."""
+    return bucket(now) - window_s + 1
 
 
 class WindowedStats:
     def __init__(self, redis: aioredis.Redis, prefix: str, window_s: int, health: RedisHealth) -> None:
         self.redis, self.prefix, self.window_s, self.health = redis, f"{prefix}:stat:", window_s, health
-        self._means = redis.register_script(_MEANS)
+        self._means = redis.register_script(scripts.MEANS)
 
     def record(
-        self,
-        pipe: aioredis.client.Pipeline,
-        observations: Iterable[tuple[str, str, float, int]],
-        now: float | None = None,
+        self, pipe: aioredis.client.Pipeline, observations: Iterable[Observation], now: float | None = None
     ) -> None:
-        """Stage (series, worker, sum, count) observations into the current second's
-        buckets on ``pipe`` (the caller executes it with its other writes)."""
-        second = math.floor(time.time() if now is None else now)
-        for series, worker_id, total, count in observations:
-            if count > 0:
-                key = f"{self.prefix}{series}:{worker_id}:{second}"
-                pipe.hincrbyfloat(key, "sum", total)
-                pipe.hincrby(key, "n", count)
+        """Stage a round's observations into the current second's buckets on ``pipe`` (the
+        caller executes it with its other writes)."""
+        second = bucket(time.time() if now is None else now)
+        for o in observations:
+            if o.count > 0:
+                key = f"{self.prefix}{o.series}:{o.worker_id}:{second}"
+                pipe.hincrbyfloat(key, "sum", o.total)
+                pipe.hincrby(key, "n", o.count)
                 pipe.expire(key, self.window_s + 2)
 
     async def means(self, wanted: Iterable[tuple[str, str]], now: float | None = None) -> dict[tuple[str, str], float]:
@@ -66,8 +60,11 @@ class WindowedStats:
         wanted = list(wanted)
         if not wanted:
             return {}
-        last = math.floor(time.time() if now is None else now)
-        args: list[object] = [self.prefix, last - self.window_s + 1, self.window_s]
+        args: list[object] = [
+            self.prefix,
+            first_bucket(time.time() if now is None else now, self.window_s),
+            self.window_s,
+        ]
         for series, worker_id in wanted:
             args += [series, worker_id]
         try:
@@ -80,3 +77,34 @@ class WindowedStats:
             if int(count):
                 out[item] = float(total) / int(count)
         return out
+
+
+class WindowedMeans:
+    """The same statistics in one process's memory (the simulator's)."""
+
+    def __init__(self, window_s: int) -> None:
+        self.window_s = window_s
+        self.buckets: dict[tuple[str, str], dict[int, list[float]]] = {}
+
+    def record(self, o: Observation, now: float) -> None:
+        if o.count <= 0:
+            return
+        second = bucket(now)
+        buckets = self.buckets.setdefault((o.series, o.worker_id), {})
+        held = buckets.setdefault(second, [0.0, 0])
+        held[0] += o.total
+        held[1] += o.count
+        for old in [s for s in buckets if s <= second - self.window_s]:
+            del buckets[old]
+
+    def mean(self, series: str, worker_id: str, now: float) -> float | None:
+        buckets = self.buckets.get((series, worker_id))
+        if not buckets:
+            return None
+        first = first_bucket(now, self.window_s)
+        total = count = 0.0
+        for second, (s, n) in buckets.items():
+            if second >= first:
+                total += s
+                count += n
+        return total / count if count else None

@@ -16,12 +16,26 @@ one: every call below returns at once and nothing is recorded.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from gateway.core import RoundRecord
+
 Attributes = Mapping[str, str | int | float | bool]
+
+
+@dataclass
+class RoundTimes:
+    """When a round's phases happened (wall clock), as the gateway saw them."""
+
+    queued_at: float
+    queued_s: float = 0.0  # the queue's own measure, enqueue to dispatch
+    dispatched_at: float = 0.0
+    prefilled_at: float | None = None  # remote rounds: the prefill worker answered
+    decode_sent_at: float = 0.0
 
 
 def _ns(seconds: float) -> int:
@@ -55,16 +69,28 @@ class RoundTracer:
             return "", ""
         return f"{context.trace_id:032x}", f"{context.span_id:016x}"
 
-    def round(
-        self,
-        parent: tuple[str, str],
-        start: float,
-        end: float,
-        attributes: Attributes,
-        phases: list[tuple[str, float, float, Attributes]],
-    ) -> None:
-        """A round's span under its session's, with (name, start, end, attributes) phases as children."""
-        span = self.tracer.start_span("round", context=_parent(parent), start_time=_ns(start), attributes=attributes)
+    def round(self, parent: tuple[str, str], record: RoundRecord, times: RoundTimes, first: float, end: float) -> None:
+        """A round's span under its session's, its phases as children: ``first`` and ``end``
+        are its first and last token."""
+        worker = record.prefill_worker if record.route == "remote" else record.decode_worker
+        prefill = {"ampd.route": record.route, "ampd.worker": worker or "", "ampd.l_hist": record.l_hist,
+                   "ampd.l_incr": record.l_incr}  # fmt: skip
+        phases = [("queue_wait", times.queued_at, times.dispatched_at, {"ampd.worker": record.queued_on})]
+        if record.route == "remote" and times.prefilled_at is not None:
+            phases.append(("prefill", times.dispatched_at, times.prefilled_at, prefill))
+            transfer = {"ampd.from": worker or "", "ampd.to": record.decode_worker}
+            phases.append(("kv_transfer", times.decode_sent_at, first, transfer))
+        else:
+            phases.append(("prefill", times.decode_sent_at, first, prefill))
+        decode = {"ampd.worker": record.decode_worker, "ampd.tokens": record.completion_tokens,
+                  "ampd.ttft_s": record.ttft_s or 0.0, "ampd.itl_mean_s": record.mean_itl_s or 0.0,
+                  "ampd.itl_p95_s": record.p95_itl_s or 0.0}  # fmt: skip
+        phases.append(("decode", first, end, decode))
+        attributes = {"ampd.session.id": record.session_id, "ampd.round": record.round, "ampd.kind": record.kind,
+                      "ampd.route": record.route, "ampd.reason": record.reason}  # fmt: skip
+        span = self.tracer.start_span(
+            "round", context=_parent(parent), start_time=_ns(record.started_at), attributes=attributes
+        )
         inside = trace.set_span_in_context(span)
         for name, begin, finish, attrs in phases:
             self.tracer.start_span(name, context=inside, start_time=_ns(begin), attributes=attrs).end(_ns(finish))

@@ -57,7 +57,7 @@ MODELS: dict[str, ModelSpec] = {
             kv_dtype="fp8",
             source=(
                 "Llama-3.3-70B has Llama-3.1-70B's architecture; FP8 weights and KV as in "
-                "DOPD (shared/seeds/000_0523a27f5f0e8ea1.txt, Table I), used only to check "
+                "DOPD (Table I), used only to check "
                 "the roofline against that table"
             ),
         ),
@@ -132,7 +132,7 @@ GPUS: dict[str, GPUSpec] = {
                 "NVIDIA L40 datasheet: 48 GB GDDR6 at 864 GB/s, 181 TFLOPS BF16 and 362 TFLOPS "
                 "FP8 dense; no NVLink, so tensor parallelism goes over PCIe Gen4 x16 (32 GB/s "
                 "each way); one 200 Gb/s NIC per GPU assumed. A heterogeneous-pool example "
-                "(seed 004); its profiles are derived on demand, not shipped"
+                "(the multi-vendor P/D paper); its profiles are derived on demand, not shipped"
             ),
         ),
     ]

@@ -2,7 +2,7 @@
 
 Per GPU, vLLM gives ``gpu_memory_utilization`` of the memory to the engine; the
 weights take their shard, the activation peak and runtime buffers take a reserve,
-and the rest becomes the paged KV cache (seed 004, Eq. 6: weight + activation + KV).
+and the rest becomes the paged KV cache (the multi-vendor P/D paper, Eq. 6: weight + activation + KV).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Piecewise alpha-beta functions: the building block of the performance model.
 
-AMPD (shared/seeds/003_517589c8db448ff1.txt, section 3) models every cost as a
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 3) models every cost as a
 piecewise alpha-beta function: on each interval of its argument x the time is
 ``alpha + beta * x`` (Hockney's latency/bandwidth model). The profiler fits one from
 measurements and the roofline derives one from first principles; both go through
@@ -9,6 +9,7 @@ measurements and the roofline derives one from first principles; both go through
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from functools import cached_property
@@ -80,18 +81,58 @@ def fit_piecewise(xs: Sequence[float], ys: Sequence[float], knots: Sequence[floa
     if x.shape != y.shape or x.size < 2:
         raise ValueError("need at least two (x, y) samples of equal length")
     inner = sorted(k for k in set(knots) if x.min() < k < x.max())
-    basis = np.column_stack([np.ones_like(x), x] + [np.maximum(0.0, x - k) for k in inner])
+    basis = hinge_columns(x, inner, intercept=True)
     weight = 1.0 / np.maximum(np.abs(y), 1e-12)
     coef, *_ = np.linalg.lstsq(basis * weight[:, None], y * weight, rcond=None)
-
-    pieces: list[Piece] = []
-    alpha, beta = float(coef[0]), float(coef[1])
-    for k, c in zip(inner, coef[2:], strict=True):
-        pieces.append(Piece(upto=k, alpha=alpha, beta=beta))
-        alpha, beta = alpha - float(c) * k, beta + float(c)
-    pieces.append(Piece(upto=None, alpha=alpha, beta=beta))
-
-    fitted = PiecewiseLinear(unit=unit, pieces=pieces)
+    fitted = hinge_to_piecewise(float(coef[0]), float(coef[1]), inner, coef[2:], unit)
     predicted = np.array([fitted(v) for v in x])
     rel = np.abs(predicted - y) / np.maximum(np.abs(y), 1e-12)
     return fitted.model_copy(update={"max_rel_error": float(rel.max())})
+
+
+# -- the hinge basis, shared by fit_piecewise and the profiler's joint fit ------------------
+
+
+def geometric_knots(xs: Sequence[float], ratio: float) -> list[float]:
+    """Knots ``ratio`` apart between the smallest and largest positive x, each snapped to
+    the nearest sampled x (in log distance), so every knot sits on data; the end points
+    themselves are never knots."""
+    values = sorted({float(x) for x in xs if x > 0})
+    if len(values) < 3 or ratio <= 1:
+        return []
+    inner, hi = values[1:-1], values[-1]
+    out: set[float] = set()
+    k = values[0] * ratio
+    while k < hi:
+        out.add(min(inner, key=lambda v, k=k: abs(math.log(v / k))))
+        k *= ratio
+    return sorted(out)
+
+
+def hinge_columns(x: np.ndarray, knots: Sequence[float], intercept: bool) -> np.ndarray:
+    """The basis of :func:`fit_piecewise`: [1,] x, max(0, x - k) per knot."""
+    cols = ([np.ones_like(x)] if intercept else []) + [x] + [np.maximum(0.0, x - k) for k in knots]
+    return np.column_stack(cols)
+
+
+def hinge_to_piecewise(
+    alpha: float, beta: float, knots: Sequence[float], hinges: Sequence[float], unit: str
+) -> PiecewiseLinear:
+    """Hinge coefficients as pieces: each knot ends a piece and bends the slope."""
+    pieces: list[Piece] = []
+    for k, c in zip(knots, hinges, strict=True):
+        pieces.append(Piece(upto=float(k), alpha=alpha, beta=beta))
+        alpha, beta = alpha - float(c) * k, beta + float(c)
+    pieces.append(Piece(upto=None, alpha=alpha, beta=beta))
+    return PiecewiseLinear(unit=unit, pieces=pieces)
+
+
+def slopes_to_piecewise(alpha: float, slopes: Sequence[float], knots: Sequence[float], unit: str) -> PiecewiseLinear:
+    """A continuous function from its value at 0 and its slope on each segment between knots."""
+    pieces: list[Piece] = []
+    for j, slope in enumerate(slopes):
+        if j:
+            alpha += (float(slopes[j - 1]) - float(slope)) * knots[j - 1]
+        upto = float(knots[j]) if j < len(knots) else None
+        pieces.append(Piece(upto=upto, alpha=alpha, beta=float(slope)))
+    return PiecewiseLinear(unit=unit, pieces=pieces)

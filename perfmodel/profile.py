@@ -1,6 +1,6 @@
 """Profiles: the performance model of one model on one GPU type at one TP degree.
 
-AMPD (shared/seeds/003_517589c8db448ff1.txt, section 3) needs three cost functions,
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 3) needs three cost functions,
 all piecewise alpha-beta:
 
 * ``T_pre(l_hist, l_incr; theta)`` - prefill of ``l_incr`` new tokens after ``l_hist``
@@ -40,7 +40,7 @@ DEFAULT_PROFILE = "llama-3.1-8b_h100_tp1"
 
 
 class Efficiency(BaseModel):
-    """Discount factors applied to published peaks (seed 004, Eq. 2 and 5: lambda, alpha, beta)."""
+    """Discount factors applied to published peaks (the multi-vendor P/D paper, Eq. 2 and 5: lambda, alpha, beta)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -131,7 +131,7 @@ def t_kv(tokens: int, src: Profile, dst: Profile) -> float:
     """AMPD's T_kv(l; theta_src, theta_dst): seconds to move the KV of ``tokens`` tokens.
 
     Every TP rank holds a slice of the KV heads and ranks transfer in parallel, one NIC
-    each, so min(tp_src, tp_dst) links share the bytes (the resharding of seed 004,
+    each, so min(tp_src, tp_dst) links share the bytes (the resharding of the multi-vendor P/D paper,
     section III, done by the side with fewer ranks). The slower end bounds the time.
     """
     if tokens <= 0:

@@ -1,8 +1,9 @@
 """Published measurements the performance model is checked against.
 
-DOPD (shared/seeds/000_0523a27f5f0e8ea1.txt, section II, Table I): Llama-3.3-70B-FP8
-on one H100, prefill time of one request and decode step time at 104, 200 and 248
-concurrent sequences, for sequence lengths 100 to 1700.
+DOPD ("DOPD: A Dynamic PD-Disaggregation Architecture for Maximizing Goodput in LLM
+Inference Serving", section II, Table I): Llama-3.3-70B-FP8 on one H100, prefill time
+of one request and decode step time at 104, 200 and 248 concurrent sequences, for
+sequence lengths 100 to 1700.
 """
 
 from __future__ import annotations

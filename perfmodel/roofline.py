@@ -3,8 +3,9 @@
 Each piece of the performance model (perfmodel.profile) is computed as a roofline: a
 step takes the longer of its math at the discounted peak FLOP/s and its memory
 traffic at the discounted HBM bandwidth, plus tensor-parallel communication and a
-fixed per-step overhead - the discounted compute/memory/communication sums of seed
-004 (shared/seeds/004_8d07d07f310c909a.txt, Eq. 2 and 5). The exact roofline is then
+fixed per-step overhead - the discounted compute/memory/communication sums of the
+multi-vendor P/D paper ("Disaggregated Prefill and Decoding Inference System for Large
+Language Model Serving on Multi-Vendor GPUs", Eq. 2 and 5). The exact roofline is then
 sampled and fitted with the same piecewise alpha-beta fitter the profiler uses, so a
 derived profile and a measured one have the same form (AMPD section 3).
 """
@@ -31,7 +32,7 @@ HOPPER_EFFICIENCY = Efficiency(
     source=(
         "compute 0.45, memory 0.85 and 4 ms per step (scheduler, sampling, kernel launch) "
         "chosen by grid search to minimise the mean relative error against the 20 "
-        "measurements of DOPD Table I (shared/seeds/000_0523a27f5f0e8ea1.txt; "
+        "measurements of DOPD Table I ("
         "Llama-3.3-70B-FP8 on one H100): mean 7.5%, worst 23% (short prefills, where "
         "the roofline's sharp memory/compute corner is optimistic); `ampd profile check` "
         "prints the table. attention 0.4: FlashAttention-2/3 forward reaches 35-50% of "
@@ -130,3 +131,10 @@ def paper_profiles() -> list[Profile]:
         model, gpu = MODELS[model_name], GPUS[gpu_name]
         out += [roofline_profile(model, gpu, tp) for tp in TP_DEGREES if fits(model, gpu, tp, DEFAULT_MEMORY)]
     return out
+
+
+def roofline_kv_transfer(gpu: GPUSpec) -> PiecewiseLinear:
+    """The roofline's T_kv piece (HOPPER_EFFICIENCY), for profiles measured without a prefill worker."""
+    eff = HOPPER_EFFICIENCY
+    beta = 1.0 / (gpu.network_bandwidth * eff.network)
+    return PiecewiseLinear(unit="bytes", pieces=[Piece(upto=None, alpha=eff.kv_transfer_latency_s, beta=beta)])

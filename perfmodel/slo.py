@@ -1,6 +1,6 @@
 """Service-level objectives: the TTFT and ITL thresholds a round is judged against.
 
-AMPD (shared/seeds/003_517589c8db448ff1.txt, section 7.1) reports SLO attainment; as in
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 7.1) reports SLO attainment; as in
 DistServe, a threshold is a scale times the unloaded latency of the model on its
 hardware: TTFT_thres = scale * T_pre(0, reference prompt), ITL_thres = scale *
 T_dec(1, reference context). Explicit thresholds override the derived ones.

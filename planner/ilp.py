@@ -1,7 +1,7 @@
 """The deployment planner's integer program: TP and DP per phase, AMPD Eq. (5).
 
-AMPD (shared/seeds/003_517589c8db448ff1.txt, section 5, Eq. (5)) picks, for a fixed GPU
-budget, how many prefill replicas x^(n) and decode replicas y^(n) of each model-parallel
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 5,
+Eq. (5)) picks, for a fixed GPU budget, how many prefill replicas x^(n) and decode replicas y^(n) of each model-parallel
 degree n to run so that the worst P95 latency Z over all deployed replicas is minimal:
 
     min Z  s.t.  (C1) Z >= tau_pre(n) where x^(n) >= 1,  (C2) Z >= tau_dec(n) where y^(n) >= 1,
@@ -10,9 +10,10 @@ degree n to run so that the worst P95 latency Z over all deployed replicas is mi
 The latency coefficients come from the simulator and are constants here. The paper
 solves it with SCIP (section 6); so do we, through pyscipopt. Two extensions:
 
-* GPU types. As in shared/seeds/004_8d07d07f310c909a.txt (P-D disaggregation over GPUs of
-  different vendors), a phase may run on a different GPU type than the other phase, so
-  (C3) holds per type: each type has its own capacity.
+* GPU types. As in the multi-vendor P/D paper ("Disaggregated Prefill and Decoding
+  Inference System for Large Language Model Serving on Multi-Vendor GPUs"), a phase
+  may run on a different GPU type than the other phase, so (C3) holds per type: each
+  type has its own capacity.
 * Load-dependent tau. In the paper tau(n) is "the P95 latency of a single replica with
   degree n"; that latency depends on the load the replica gets, which is the trace's load
   divided among the phase's replicas. The simulator therefore gives tau per (GPU type,
@@ -49,9 +50,8 @@ class PoolOption:
 
     `tau` is the simulated P95 latency of one replica in such a pool (the trace's load for
     the phase spread over `replicas`), divided by the phase's SLO, so 1.0 means "at the SLO".
-    It is the coefficient tau_pre(n) or tau_dec(n) of shared/seeds/003_517589c8db448ff1.txt,
-    section 5, Eq. (5), for that replica count; `gpu` names a type of
-    shared/seeds/004_8d07d07f310c909a.txt's heterogeneous cluster.
+    It is the coefficient tau_pre(n) or tau_dec(n) of AMPD's Eq. (5) (section 5) for that
+    replica count; `gpu` names a type of a heterogeneous cluster (the multi-vendor P/D paper).
     """
 
     phase: Phase
@@ -112,8 +112,8 @@ def objective_key(prefill: PoolOption, decode: PoolOption) -> tuple[float, float
     """The order of deployments, best first (smallest): the one definition `solve` and
     `enumerate_deployments` share.
 
-    1. Z = max(tau_pre, tau_dec), the objective of shared/seeds/003_517589c8db448ff1.txt,
-       section 5, Eq. (5): the bottleneck phase's normalised P95 latency.
+    1. Z = max(tau_pre, tau_dec), the objective of AMPD's Eq. (5) (section 5): the
+       bottleneck phase's normalised P95 latency.
     2. Tie-break: between pairs with the same bottleneck, the one whose other phase is
        faster (more headroom where Z does not look). With Z equal this is the same order as
        tau_pre + tau_dec, but compares the taus themselves, so no rounding of a sum enters.
@@ -140,12 +140,12 @@ def solve(
 ) -> list[Deployment]:
     """The `top` best deployments by `objective_key`, best first, found with SCIP.
 
-    Implements shared/seeds/003_517589c8db448ff1.txt, section 5, Eq. (5), with one capacity
-    per GPU type (shared/seeds/004_8d07d07f310c909a.txt). A GPU type missing from `capacity`
-    has capacity 0, so options on it are never chosen. Returns fewer than `top` when fewer
-    distinct (prefill, decode) pairs fit, or when `time_limit_s` (for all solves together)
-    runs out. Raises ValueError when a phase has no option, when no option of a phase fits
-    its GPU type's capacity, or when no prefill option fits together with a decode option.
+    Implements AMPD's Eq. (5) (section 5) with one capacity per GPU type (the
+    multi-vendor P/D paper). A GPU type missing from `capacity` has capacity 0, so
+    options on it are never chosen. Returns fewer than `top` when fewer distinct
+    (prefill, decode) pairs fit, or when `time_limit_s` (for all solves together) runs out.
+    Raises ValueError when a phase has no option, when no option of a phase fits its
+    GPU type's capacity, or when no prefill option fits together with a decode option.
     """
     return solve_with_stats(options, capacity, top, time_limit_s)[0]
 

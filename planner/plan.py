@@ -1,6 +1,6 @@
 """Offline planning: simulated tau coefficients, Eq. 5, and the deployment file.
 
-shared/seeds/003_517589c8db448ff1.txt, section 5 and Appendix A. For every GPU type,
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 5 and Appendix A. For every GPU type,
 feasible TP degree n (the weights and a working KV cache fit: perfmodel.memory) and
 replica count m, the simulator (planner.simulator) runs one replica of degree n of a
 phase on the share of the trace one of m replicas gets (every m-th session), with every

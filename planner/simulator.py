@@ -1,6 +1,6 @@
 """Discrete-event simulation of the whole system in virtual time (AMPD Appendix A.1).
 
-shared/seeds/003_517589c8db448ff1.txt, Appendix A.1: the planner's simulator runs a
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), Appendix A.1: the planner's simulator runs a
 deployment - prefill and decode pools of given TP and DP - over a trace, with phase
 splitting, KV transfer on the alpha-beta model and the runtime routing decision. Here
 it is the live system's own code with the clock and the network taken out:
@@ -38,10 +38,21 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from pydantic import BaseModel
 
-from gateway.binding import DecodeCandidate, choose_decode_worker
-from gateway.policies import POLICIES, Policy, pick, route
+from gateway.binding import Arrivals, DecodeCandidate
+from gateway.core import (
+    ITL,
+    TTFT_REMOTE,
+    Candidate,
+    RoundCore,
+    RoundPlan,
+    RoundRecord,
+    RoundResult,
+    SessionState,
+    Signals,
+)
+from gateway.policies import POLICIES
 from gateway.reordering import QueuedTask
-from gateway.routing import PrefillTask, Route, WorkerView
+from gateway.stats import WindowedMeans
 from perfmodel.profile import Profile, t_kv
 from perfmodel.slo import SLO
 from planner.trace import TraceSession
@@ -86,42 +97,11 @@ class SimConfig:
 # -- the pieces of the live system that hold state, kept in memory -----------------------
 @dataclass
 class PrefillQueue:
-    """One worker's prefill queue and slots (gateway.queues without Redis)."""
+    """One worker's prefill queue and slots (gateway.prefill_queue without Redis)."""
 
     tasks: list[QueuedTask] = field(default_factory=list)
     inflight: int = 0
     cost: float = 0.0  # Eq. 1-2's queue term: estimated seconds queued
-
-
-class WindowedMeans:
-    """gateway.stats in memory: one-second buckets, mean over the last ``window_s``."""
-
-    def __init__(self, window_s: int) -> None:
-        self.window_s = window_s
-        self.buckets: dict[tuple[str, str], dict[int, list[float]]] = {}
-
-    def record(self, series: str, worker_id: str, total: float, count: int, now: float) -> None:
-        if count <= 0:
-            return
-        second = math.floor(now)
-        buckets = self.buckets.setdefault((series, worker_id), {})
-        bucket = buckets.setdefault(second, [0.0, 0])
-        bucket[0] += total
-        bucket[1] += count
-        for old in [s for s in buckets if s <= second - self.window_s]:
-            del buckets[old]
-
-    def mean(self, series: str, worker_id: str, now: float) -> float | None:
-        buckets = self.buckets.get((series, worker_id))
-        if not buckets:
-            return None
-        first = math.floor(now) - self.window_s + 1
-        total = count = 0.0
-        for second, (s, n) in buckets.items():
-            if second >= first:
-                total += s
-                count += n
-        return total / count if count else None
 
 
 @dataclass
@@ -130,52 +110,38 @@ class SimWorker:
     role: str  # "prefill" or "decode"
     profile: Profile
     scheduler: Scheduler
+    candidate: Candidate  # the worker as the round core sees it
     queue: PrefillQueue = field(default_factory=PrefillQueue)
     step: Step | None = None
     step_start: float = 0.0
     version: int = 0  # invalidates step-end events of steps cut short
     busy_s: float = 0.0
     kv_snapshot: float = 0.0  # KV usage at the last scrape
-    pending_tokens: int = 0  # prompt tokens bound here since that scrape
 
 
 @dataclass
-class SessionState:
+class SimSession:
     trace: TraceSession
     index: int  # the session's number: its token ids are unique to it
     next_round: int = 0
-    decode_id: str = ""
+    state: SessionState | None = None  # the round core's view of it (gateway.core)
     tokens: list[int] = field(default_factory=list)  # the conversation so far, as the engine sees it
     block_hashes: list[int] = field(default_factory=list)  # of ``tokens``' full blocks, carried over rounds
-    l_hist: int = 0
-    prefill_id: str | None = None
-    prefill_cached: int = 0
     next_token: int = 0
 
 
 @dataclass
 class RoundState:
-    session: SessionState
-    task: PrefillTask
-    route: Route
+    session: SimSession
+    plan: RoundPlan
     output_plan: list[int]
+    arriving: int = 0  # prompt tokens expected at its decode worker, newly bound (gateway.binding.Arrivals)
+    dispatched_at: float = 0.0
     prefill_done_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
     gaps_s: float = 0.0
     gaps: int = 0
-
-
-@dataclass(frozen=True)
-class RoundRecord:
-    session_id: str
-    round: int
-    incremental: bool
-    route: str  # "local" or "remote"
-    ttft_s: float
-    prefill_phase_s: float  # created until the prefill is over (remote: on the prefill worker)
-    mean_itl_s: float | None
-    output_tokens: int
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -245,19 +211,19 @@ class Simulation:
 
     def __init__(self, config: SimConfig, sessions: Sequence[TraceSession]) -> None:
         self.config = config
-        self.policy: Policy = POLICIES[config.policy]
-        self.rng = random.Random(config.seed)
+        policy = POLICIES[config.policy]
+        self.core = RoundCore(policy, config.alpha, config.beta, config.window, random.Random(config.seed))
         self.stats = WindowedMeans(config.stats_window_s)
         self.decoders = [
             self._worker(f"decode-{i}", "decode", config.decode.profile) for i in range(config.decode.replicas)
         ]
         self.prefillers = []
-        if config.prefill is not None and self.policy.uses_prefill_workers:
+        if config.prefill is not None and policy.uses_prefill_workers:
             self.prefillers = [
                 self._worker(f"prefill-{i}", "prefill", config.prefill.profile) for i in range(config.prefill.replicas)
             ]
         self.workers = {w.worker_id: w for w in self.decoders + self.prefillers}
-        self.sessions = [SessionState(s, i) for i, s in enumerate(sessions)]
+        self.sessions = [SimSession(s, i) for i, s in enumerate(sessions)]
         self.records: list[RoundRecord] = []
         self.rounds: dict[str, RoundState] = {}  # by engine request id
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
@@ -265,9 +231,12 @@ class Simulation:
         self._ids = itertools.count()
         self.now = 0.0
         self._next_scrape = 0.0
+        self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (gateway.binding)
 
     def _worker(self, worker_id: str, role: str, profile: Profile) -> SimWorker:
-        return SimWorker(worker_id, role, profile, Scheduler(profile, self.config.scheduler))
+        return SimWorker(
+            worker_id, role, profile, Scheduler(profile, self.config.scheduler), Candidate(worker_id, profile)
+        )
 
     def _at(self, when: float, action: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
@@ -281,33 +250,43 @@ class Simulation:
             action(*args)
 
     # -- gateway: a round becomes a routed, queued prefill task ------------------------
-    def _start_round(self, session: SessionState) -> None:
+    def _start_round(self, session: SimSession) -> None:
         now = self.now
         self._scrape(now)
         spec = session.trace.rounds[session.next_round]
         session.tokens.extend(self._fresh_tokens(session, spec.input_tokens))
         l_total = len(session.tokens)
-        if session.next_round == 0:
-            session.decode_id = self._bind(l_total)
-        decode = self.workers[session.decode_id]
-        task = PrefillTask(
-            f"t{next(self._ids)}", session.trace.session_id, min(session.l_hist, l_total - 1), l_total, now
+        bound = self.core.bind(session.state, [
+            DecodeCandidate(w.worker_id, w.kv_snapshot, w.profile.kv_capacity_tokens, self.arrivals.tokens[w.worker_id])
+            for w in self.decoders
+        ])  # fmt: skip
+        if bound.moved:
+            self.arrivals.expect(bound.state.decode_worker, l_total)
+        session.state = state = bound.state
+        decode = self.workers[state.decode_worker]
+        prefills, signals = [p.candidate for p in self.prefillers], self._signals(decode)
+        plan = self.core.plan(
+            state, f"t{next(self._ids)}", l_total, now, decode.candidate, prefills, signals, self.config.slo
         )
-        chosen = route(
-            self.policy, task, self._view(decode, session), [self._view(p, session) for p in self.prefillers],
-            self.config.slo, self.config.alpha, self.config.beta, self.rng,
-        )  # fmt: skip
-        estimate = self._estimate(session, task, chosen)
-        plan = self._fresh_tokens(session, spec.output_tokens)
-        state = RoundState(session, task, chosen, plan)
-        worker = self.workers[chosen.worker_id]
-        queued = QueuedTask(task.task_id, now, estimate, self.config.slo.ttft_s, 0, task.incremental)
+        task = plan.task
+        output_plan = self._fresh_tokens(session, spec.output_tokens)
+        round_state = RoundState(session, plan, output_plan, arriving=l_total if bound.moved else 0)
+        worker = self.workers[plan.route.worker_id]
+        queued = QueuedTask(task.task_id, now, plan.estimate_s, self.config.slo.ttft_s, 0, task.incremental)
         worker.queue.tasks.append(queued)
-        worker.queue.cost += estimate
-        self.rounds[task.task_id] = state
+        worker.queue.cost += plan.estimate_s
+        self.rounds[task.task_id] = round_state
         self._dispatch(worker)
 
-    def _fresh_tokens(self, session: SessionState, n: int) -> list[int]:
+    def _signals(self, decode: SimWorker) -> Signals:
+        """What the gateway reads from Redis at a round's start, from memory."""
+        now, mean = self.now, self.stats.mean
+        costs = {w.worker_id: w.queue.cost for w in (decode, *self.prefillers)}
+        means = {(ITL, decode.worker_id): mean(ITL, decode.worker_id, now)}
+        means.update(((TTFT_REMOTE, p.worker_id), mean(TTFT_REMOTE, p.worker_id, now)) for p in self.prefillers)
+        return Signals(costs, {k: v for k, v in means.items() if v is not None})
+
+    def _fresh_tokens(self, session: SimSession, n: int) -> list[int]:
         """Token ids for ``n`` new tokens of ``session``. Only the session's very first token
         is unique to it: block hashes chain over their parent, so every later block of the
         session differs from every other session's anyway, and the rest can be small ints
@@ -329,42 +308,16 @@ class Simulation:
             return
         for w in self.decoders:  # the usage a real engine has mid-step
             w.kv_snapshot = w.scheduler.kv_usage(w.step, self.now - w.step_start)
-            w.pending_tokens = 0
+        self.arrivals.scraped(self.arrivals.scrape_started())  # a scrape here takes no time
         self._next_scrape = math.floor(now / SCRAPE_INTERVAL_S + 1) * SCRAPE_INTERVAL_S
-
-    def _bind(self, l_total: int) -> str:
-        candidates = [
-            DecodeCandidate(w.worker_id, w.kv_snapshot, w.profile.kv_capacity_tokens, w.pending_tokens)
-            for w in self.decoders
-        ]
-        worker_id = choose_decode_worker(candidates)
-        self.workers[worker_id].pending_tokens += l_total
-        return worker_id
-
-    def _view(self, w: SimWorker, session: SessionState) -> WorkerView:
-        if w.role == "decode":
-            itl = self.stats.mean("itl", w.worker_id, self.now)
-            return WorkerView(w.worker_id, w.profile, windowed_itl=itl, queue_cost=max(0.0, w.queue.cost))
-        cached = session.prefill_cached if session.prefill_id == w.worker_id else 0
-        ttft = self.stats.mean("ttft", w.worker_id, self.now)
-        return WorkerView(w.worker_id, w.profile, windowed_ttft=ttft, queue_cost=max(0.0, w.queue.cost),
-                          cached_tokens=cached)  # fmt: skip
-
-    def _estimate(self, session: SessionState, task: PrefillTask, chosen: Route) -> float:
-        """What the task's queue will hold: as gateway.app.Gateway._estimate."""
-        worker = self.workers[chosen.worker_id]
-        if chosen.kind == "local":
-            return worker.profile.t_pre(task.l_hist, task.l_incr)
-        cached = min(session.prefill_cached, task.l_total - 1) if session.prefill_id == worker.worker_id else 0
-        return worker.profile.t_pre(cached, task.l_total - cached)
 
     def _dispatch(self, worker: SimWorker) -> None:
         """Start queued tasks while slots are free, in the order the policy picks (Alg. 2)."""
-        queue, w = worker.queue, self.config.window
+        queue = worker.queue
         while queue.tasks and queue.inflight < self.config.prefill_slots:
-            size = self.policy.window(w)
+            size = self.core.window_size
             window = queue.tasks[:size]
-            decision = pick(self.policy, window, self.now, w)
+            decision = self.core.pick(window, self.now)
             bumped = set(decision.postponed)
             rest = [replace(window[i], postponed=window[i].postponed + 1) if i in bumped else window[i]
                     for i in decision.order[1:]]  # fmt: skip
@@ -372,7 +325,9 @@ class Simulation:
             queue.tasks[:size] = rest
             queue.inflight += 1
             queue.cost -= chosen.estimate_s
-            self._launch(self.rounds[chosen.task_id])
+            state = self.rounds[chosen.task_id]
+            state.dispatched_at = self.now
+            self._launch(state)
 
     def _release(self, worker: SimWorker) -> None:
         worker.queue.inflight -= 1
@@ -380,18 +335,22 @@ class Simulation:
 
     def _launch(self, state: RoundState) -> None:
         """Send the round to its engine: vLLM's hand-off for remote, one request for local."""
-        session, task = state.session, state.task
+        session, task, route = state.session, state.plan.task, state.plan.route
         prompt = session.tokens[: task.l_total]
         request_id = task.task_id
-        if state.route.kind == "remote":
-            prefill = self.workers[state.route.worker_id]
+        if route.kind == "remote":
+            prefill = self.workers[route.worker_id]
             request = Request(request_id, prompt, state.output_plan[:1], 1, self.now, do_remote_decode=True)
             request.block_hashes = list(session.block_hashes)
             self._submit(prefill, request, state)
             return
         request = Request(request_id, prompt, state.output_plan, len(state.output_plan), self.now)
         request.block_hashes = list(session.block_hashes)
-        self._submit(self.workers[session.decode_id], request, state)
+        self._submit(self.decode_worker(session), request, state)
+
+    def decode_worker(self, session: SimSession) -> SimWorker:
+        assert session.state is not None
+        return self.workers[session.state.decode_worker]
 
     def _submit(self, worker: SimWorker, request: Request, state: RoundState) -> None:
         self.rounds[request.request_id] = state
@@ -465,14 +424,17 @@ class Simulation:
         decode = Request(f"{request.request_id}-d", request.prompt_token_ids, state.output_plan,
                          len(state.output_plan), self.now, remote_prefill=remote)  # fmt: skip
         decode.block_hashes = list(session.block_hashes)
-        self._submit(self.workers[session.decode_id], decode, state)
+        self._submit(self.decode_worker(session), decode, state)
 
     def _tokens(
         self, decode: SimWorker, state: RoundState, times: list[float], finished: bool, request: Request
     ) -> None:
         if state.first_token_at is None:
             state.first_token_at = state.last_token_at = times[0]
-            if state.route.kind == "local":  # the local prefill is over: free the slot
+            if state.arriving:  # its KV is on the decode worker: the next scrape shows it
+                self.arrivals.landed(decode.worker_id, state.arriving)
+                state.arriving = 0
+            if state.plan.route.kind == "local":  # the local prefill is over: free the slot
                 state.prefill_done_at = times[0]
                 self._release(decode)
             times = times[1:]
@@ -484,24 +446,28 @@ class Simulation:
             self._finish_round(state, request)
 
     def _finish_round(self, state: RoundState, request: Request) -> None:
-        session, task = state.session, state.task
+        session, plan = state.session, state.plan
+        assert session.state is not None and state.first_token_at is not None and state.prefill_done_at is not None
         self.rounds.pop(request.request_id, None)
-        self.rounds.pop(task.task_id, None)
-        assert state.first_token_at is not None and state.prefill_done_at is not None
-        ttft = state.first_token_at - task.created_at
-        mean_itl = state.gaps_s / state.gaps if state.gaps else None
-        series = ("ttft", state.route.worker_id) if state.route.kind == "remote" else ("ttft_local", session.decode_id)
-        self.stats.record(*series, ttft, 1, self.now)
-        self.stats.record("itl", session.decode_id, state.gaps_s, state.gaps, self.now)
-        self.records.append(
-            RoundRecord(session.trace.session_id, session.next_round, task.incremental, state.route.kind, ttft,
-                        state.prefill_done_at - task.created_at, mean_itl, request.num_output_tokens)
-        )  # fmt: skip
+        self.rounds.pop(plan.task.task_id, None)
+        result = RoundResult(
+            route=plan.route.kind,
+            decode_worker=session.state.decode_worker,
+            ttft_s=state.first_token_at - plan.task.created_at,
+            itl_total_s=state.gaps_s,
+            itl_count=state.gaps,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            queue_wait_s=state.dispatched_at - plan.task.created_at,
+            prefill_s=state.prefill_done_at - plan.task.created_at,
+        )
+        closed = self.core.close(session.trace.session_id, session.state, plan, result)
+        for o in closed.observations:
+            self.stats.record(o, self.now)
+        self.records.append(closed.record)
+        session.state = closed.state
         session.tokens.extend(request.output_token_ids)
         session.block_hashes = request.block_hashes
-        session.l_hist = request.num_prompt_tokens + request.num_output_tokens
-        if state.route.kind == "remote":
-            session.prefill_id, session.prefill_cached = state.route.worker_id, task.l_total
         spec = session.trace.rounds[session.next_round]
         session.next_round += 1
         if session.next_round < len(session.trace.rounds):
@@ -534,8 +500,8 @@ class Simulation:
             ttft_initial=_summary([r.ttft_s for r in records if not r.incremental]),
             ttft_incremental=_summary([r.ttft_s for r in incremental]),
             itl=_summary([r.mean_itl_s for r in records if r.mean_itl_s is not None]),
-            prefill_phase=_summary([r.prefill_phase_s for r in records]),
-            first_token_after_prefill=_summary([r.ttft_s - r.prefill_phase_s for r in records]),
+            prefill_phase=_summary([r.prefill_s for r in records]),
+            first_token_after_prefill=_summary([r.ttft_s - r.prefill_s for r in records]),
             slo_attainment_rounds=sum(met) / len(met) if met else 0.0,
             slo_attainment_sessions=(
                 sum(1 for s, ok in by_session.items() if ok and s in complete) / len(self.sessions)

@@ -12,7 +12,7 @@ is every earlier round's input and output plus its own input. The session waits
 ``tool_latency_s`` after a round that called tools, then sends the next round; the last
 round calls none.
 
-The generators match the means of AMPD's Table 1 (shared/seeds/003_517589c8db448ff1.txt,
+The generators match the means of Table 1 of AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving",
 section 7.1): rounds per session, prefill length and decode length. We read the prefill
 length as the whole prompt of each LLM call, averaged over calls, and the decode length
 as the output of each call. The other reading, the tokens each round *adds*, cannot be

@@ -1,7 +1,9 @@
-"""Fixtures: real worker processes on free ports."""
+"""Fixtures: real worker processes on free ports; ``unit`` tests kept pure."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,8 +46,23 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def clean_test_database():
+def clean_test_database(request):
     """Everything the suite writes to Redis lives in its own database (13); empty it at the end,
-    rq's job and queue keys included."""
+    rq's job and queue keys included. A run of ``unit`` tests alone touched no Redis: it
+    leaves the database to any other run going on."""
     yield
-    redis.Redis.from_url("redis://127.0.0.1:6379/13").flushdb()
+    if any(item.get_closest_marker("unit") is None for item in request.session.items):
+        redis.Redis.from_url("redis://127.0.0.1:6379/13").flushdb()
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_stay_pure(request, monkeypatch):
+    """A test marked ``unit`` starts no process and opens no connection: the marker is a promise."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(*_, **__):
+        raise AssertionError(f"{request.node.nodeid} is marked unit but starts a process or opens a connection")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,17 @@ class Engine:
                 key = sample.name + ("" if not labels else json.dumps(labels, sort_keys=True))
                 out[key] = sample.value
         return out
+
+    def metrics_once(self, recorded: Callable[[dict[str, float]], bool], timeout_s: float = 15.0) -> dict[str, float]:
+        """/metrics once they show what a test just did: vLLM publishes a request's
+        stats - its KV transfers' most of all - a moment after answering it. Returns the
+        last read at the deadline, for the test's assertions to report."""
+        deadline = time.monotonic() + timeout_s
+        metrics = self.metrics()
+        while not recorded(metrics) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            metrics = self.metrics()
+        return metrics
 
 
 def start_sim_worker(tmp: Path, *options: str, timeout_s: float = 30.0) -> Engine:

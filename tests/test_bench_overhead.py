@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from ampd.bench_overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
+from ampd.bench.overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
 
 
+@pytest.mark.unit
 def test_litellm_proxies_the_model_to_the_worker_with_its_extras_off():
     config = json.loads(litellm_config("tiny", "http://127.0.0.1:9000"))
     (entry,) = config["model_list"]
@@ -40,6 +41,7 @@ def _level(arm: str, streams: int, p50: float, p99: float, rate: float) -> ArmLe
     return ArmLevel(arm, streams, 10, p50, p99, p50 + 100, rate, 33.0)
 
 
+@pytest.mark.unit
 def test_overhead_is_measured_against_direct_and_compared_with_ampd():
     levels = [
         _level("direct", 64, 10.0, 20.0, 100.0),

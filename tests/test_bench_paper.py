@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ampd.bench_paper import (
+from ampd.bench.paper import (
     POLICIES,
     SENSITIVITY,
     colocated_candidates,
@@ -17,10 +17,11 @@ from ampd.bench_paper import (
     run_trace,
     trace_slo,
 )
-from ampd.bench_sweep import SweepPoint
+from ampd.bench.sweep import SweepPoint
 from planner.plan import ProfileBook
 
 
+@pytest.mark.unit
 def test_baselines_search_every_deployment_that_fills_the_cluster():
     book = ProfileBook("llama-3.1-70b")  # fits TP 2, 4 and 8 on H20
     split = [(p.profile.tp, p.replicas, d.profile.tp, d.replicas) for p, d in disaggregated_candidates(book, "H20", 8)]
@@ -33,6 +34,7 @@ def _point(workload: str, rate: float, policy: str, attainment: float) -> SweepP
     return SweepPoint(workload, rate, policy, "-", 8, attainment, attainment, None, None, None, 0.0, None, None, None)
 
 
+@pytest.mark.unit
 def test_improvement_is_relative_and_leaves_out_baselines_at_zero():
     points = [
         _point("toolbench", 1.0, "ampd", 0.9),
@@ -51,6 +53,7 @@ def test_improvement_is_relative_and_leaves_out_baselines_at_zero():
     assert improvement(points, "continuum").average is None
 
 
+@pytest.mark.unit
 def test_each_policy_runs_on_its_chosen_deployment():
     book = ProfileBook("llama-3.1-8b")
     slo = trace_slo(book, "H100", "toolbench", 5.0)

@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
-from ampd.bench_sweep import sweep
+from ampd.bench.sweep import sweep
 from planner.plan import ProfileBook
 from planner.simulator import Pool
 from planner.trace import WORKLOADS
 
 
+@pytest.mark.unit
 def test_every_policy_runs_at_every_rate_on_its_own_deployment():
     book = ProfileBook("llama-3.1-8b", [])
     tp1 = book.get("H100", 1)

@@ -20,6 +20,8 @@ from gateway.metrics import GatewayMetrics
 from perfmodel.profile import load_profile
 from planner.plan import DeploymentFile, PhaseDeployment
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 

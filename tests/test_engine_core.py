@@ -12,6 +12,8 @@ from workers.sim.request import RemotePrefill, Request, RequestStatus
 from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
 from workers.sim.tokenizer import EOS_ID
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_profile("llama-3.1-8b_h100_tp1")
 
 

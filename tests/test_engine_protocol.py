@@ -164,10 +164,13 @@ def test_completions_stream_and_non_stream(engine: Engine):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+FIRSTS = "vllm:time_to_first_token_seconds_count"  # one more: a request's stats are in
+
+
 def test_metrics_use_vllm_names(engine: Engine):
     before = engine.metrics()
     chat(engine, messages=USER, max_tokens=4)
-    after = engine.metrics()
+    after = engine.metrics_once(lambda m: m[FIRSTS] > before[FIRSTS])
     for name in (
         "vllm:kv_cache_usage_perc",
         "vllm:num_requests_running",
@@ -189,8 +192,9 @@ def test_a_cache_salt_keeps_prefix_blocks_apart(engine: Engine):
     prompt = [{"role": "user", "content": f"salted {uuid.uuid4().hex} " + "words " * 300}]
 
     def hits_after(salt: str) -> float:
+        before = engine.metrics()
         assert chat(engine, messages=prompt, max_tokens=1, cache_salt=salt).status_code == 200
-        return engine.metrics()["vllm:prefix_cache_hits_total"]
+        return engine.metrics_once(lambda m: m[FIRSTS] > before[FIRSTS])["vllm:prefix_cache_hits_total"]
 
     first = hits_after("tenant-a")
     other = hits_after("tenant-b")  # the same prompt under another salt: a miss
@@ -327,12 +331,13 @@ def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
         pulled = after["vllm:nixl_bytes_transferred_sum"] - before["vllm:nixl_bytes_transferred_sum"]
         return pulled, after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
 
+    transfers = "vllm:nixl_xfer_time_seconds_count"
     before = decode.metrics()
     named = {"type": "function", "function": {"name": "get_weather"}}
     params1, reply1 = handoff(prefill, decode, messages, 96, tools=[WEATHER], tool_choice=named, seed=1)
-    mid = decode.metrics()
+    mid = decode.metrics_once(lambda m: m[transfers] > before[transfers])
     pulled1, hit1 = pulled_and_hit(before, mid)
-    assert mid["vllm:nixl_xfer_time_seconds_count"] == before["vllm:nixl_xfer_time_seconds_count"] + 1
+    assert mid[transfers] == before[transfers] + 1
     missing1 = len(params1["remote_block_ids"][0]) - hit1 // block  # blocks the decoder lacked
     assert missing1 > 0 and pulled1 % missing1 == 0
     block_bytes = pulled1 // missing1
@@ -344,7 +349,7 @@ def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
         result = {"role": "user", "content": "Sunny, 24 C. " * 10}
     messages = messages + [message, result]
     params2, reply2 = handoff(prefill, decode, messages, 8, tools=[WEATHER], tool_choice="none")
-    pulled2, hit2 = pulled_and_hit(mid, decode.metrics())
+    pulled2, hit2 = pulled_and_hit(mid, decode.metrics_once(lambda m: m[transfers] > mid[transfers]))
     # Round 1's prompt (and output) are cached on the decoder: it pulls only the rest.
     assert hit2 >= (params1["remote_num_tokens"] // block) * block > hit1
     assert pulled2 == (len(params2["remote_block_ids"][0]) - hit2 // block) * block_bytes > 0

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from gateway.binding import DecodeCandidate, choose_decode_worker
+from gateway.binding import Arrivals, DecodeCandidate, choose_decode_worker
+from gateway.core import Bound, Candidate, Observation, RoundCore, RoundPlan, RoundResult, SessionState, Signals
 from gateway.policies import POLICIES, pick, route
 from gateway.reordering import QueuedTask, postponed_by, reorder, satisfied
-from gateway.routing import PrefillTask, WorkerView, adaptive_route, local_cost, remote_cost
+from gateway.routing import PrefillTask, Route, RouteContext, WorkerView, adaptive_route, local_cost, remote_cost
 from gateway.sessions import (
     Session,
     canonical_message,
@@ -20,10 +21,12 @@ from gateway.sessions import (
 from perfmodel.profile import load_profile, t_kv
 from perfmodel.slo import SLO
 
+pytestmark = pytest.mark.unit
+
 D_PROFILE = load_profile("llama-3.1-70b_h20_tp4")
 P_PROFILE = load_profile("llama-3.1-70b_h20_tp2")
 SLO_ = SLO(ttft_s=5.0, itl_s=0.05)
-TASK = PrefillTask("t1", "s1", l_hist=3000, l_total=3400, created_at=100.0)
+TASK = PrefillTask("t1", l_hist=3000, l_total=3400, created_at=100.0)
 
 
 def decode(**kw) -> WorkerView:
@@ -34,16 +37,18 @@ def prefill(worker_id: str, **kw) -> WorkerView:
     return WorkerView(worker_id, P_PROFILE, **kw)
 
 
+def ctx(d: WorkerView, prefills: list[WorkerView], seed: int = 0) -> RouteContext:
+    return RouteContext(TASK, d, prefills, SLO_, alpha=0.9, beta=0.85, rng=random.Random(seed))
+
+
 # -- Alg. 1 -------------------------------------------------------------------------
 
 
 def test_alg1_takes_the_first_prefill_worker_with_ttft_slack_in_random_order():
     prefills = [prefill("p1", windowed_ttft=2.5), prefill("p2", windowed_ttft=4.25), prefill("p3", windowed_ttft=10.0)]
-    seen = {
-        adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(seed)).worker_id for seed in range(40)
-    }
+    seen = {adaptive_route(ctx(decode(), prefills, seed)).worker_id for seed in range(40)}
     assert seen == {"p1", "p2"}  # both have TTFT <= 4.5 s and cost the same; p3 never qualifies
-    chosen = adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(decode(), prefills, 0))
     assert chosen.kind == "remote" and chosen.reason == "ttft-slack"
     assert chosen.estimate_s == pytest.approx(remote_cost(TASK, prefills[0], decode()))
 
@@ -51,39 +56,37 @@ def test_alg1_takes_the_first_prefill_worker_with_ttft_slack_in_random_order():
 def test_alg1_prefers_the_slack_worker_that_holds_the_session_prefix():
     """vLLM's protocol: any other prefill worker would recompute the 3,000-token history."""
     prefills = [prefill("p1", windowed_ttft=2.5), prefill("p2", windowed_ttft=4.25, cached_tokens=3000)]
-    seen = {
-        adaptive_route(TASK, decode(), prefills, SLO_, 0.9, 0.85, random.Random(seed)).worker_id for seed in range(20)
-    }
+    seen = {adaptive_route(ctx(decode(), prefills, seed)).worker_id for seed in range(20)}
     assert seen == {"p2"}
 
 
 def test_alg1_workers_without_samples_count_as_idle():
-    chosen = adaptive_route(TASK, decode(), [prefill("p1")], SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(decode(), [prefill("p1")], 0))
     assert (chosen.kind, chosen.reason) == ("remote", "ttft-slack")
 
 
 def test_alg1_slack_needs_the_task_itself_to_fit_not_only_the_window():
     """A queue that built up since the window's rounds finished takes the slack away (no herding)."""
     queued = [prefill("p1", windowed_ttft=1.0, queue_cost=4.0)]  # Eq. 2 = 3.7 s + 4 s of queue > 4.5 s
-    chosen = adaptive_route(TASK, decode(windowed_itl=0.01), queued, SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(decode(windowed_itl=0.01), queued, 0))
     assert (chosen.kind, chosen.reason) == ("local", "itl-slack")
     # ... and a long local queue takes d's slack away: the cheaper of the two wins on cost.
     busy = decode(windowed_itl=0.01, queue_cost=6.0)
-    chosen = adaptive_route(TASK, busy, queued, SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(busy, queued, 0))
     assert (chosen.kind, chosen.worker_id, chosen.reason) == ("local", "d", "cost")
     assert chosen.estimate_s == pytest.approx(local_cost(TASK, busy))
 
 
 def test_alg1_goes_local_when_only_the_decode_worker_has_slack():
     prefills = [prefill("p1", windowed_ttft=4.75)]
-    chosen = adaptive_route(TASK, decode(windowed_itl=0.0425), prefills, SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(decode(windowed_itl=0.0425), prefills, 0))
     assert (chosen.kind, chosen.worker_id, chosen.reason) == ("local", "d", "itl-slack")
 
 
 def test_alg1_falls_back_to_the_cheapest_of_eq1_and_eq2():
     prefills = [prefill("p1", windowed_ttft=15.0, queue_cost=0.2), prefill("p2", windowed_ttft=15.0, queue_cost=5.0)]
     busy = decode(windowed_itl=0.2, queue_cost=0.0)
-    chosen = adaptive_route(TASK, busy, prefills, SLO_, 0.9, 0.85, random.Random(0))
+    chosen = adaptive_route(ctx(busy, prefills, 0))
     costs = {
         "d": local_cost(TASK, busy),
         "p1": remote_cost(TASK, prefills[0], busy),
@@ -93,7 +96,7 @@ def test_alg1_falls_back_to_the_cheapest_of_eq1_and_eq2():
     assert chosen.estimate_s == pytest.approx(min(costs.values()))
     # With a long local queue the same task goes remote.
     swamped = decode(windowed_itl=0.2, queue_cost=30.0)
-    assert adaptive_route(TASK, swamped, prefills, SLO_, 0.9, 0.85, random.Random(0)).worker_id == "p1"
+    assert adaptive_route(ctx(swamped, prefills, 0)).worker_id == "p1"
 
 
 def test_eq1_by_hand():
@@ -190,11 +193,10 @@ def test_starvation_is_bounded_under_a_stream_of_urgent_tasks():
 
 def test_policies_route_as_their_baselines_do():
     prefills = [prefill("p1", queue_cost=2.0), prefill("p2", queue_cost=0.1)]
-    rng = random.Random(0)
-    assert route(POLICIES["disagg"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).worker_id == "p2"
-    assert route(POLICIES["coloc"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).kind == "local"
-    assert route(POLICIES["continuum"], TASK, decode(), prefills, SLO_, 0.9, 0.85, rng).kind == "local"
-    assert route(POLICIES["ampd"], TASK, decode(), [], SLO_, 0.9, 0.85, rng).kind == "local"  # no prefill workers
+    assert route(POLICIES["disagg"], ctx(decode(), prefills)).worker_id == "p2"
+    assert route(POLICIES["coloc"], ctx(decode(), prefills)).kind == "local"
+    assert route(POLICIES["continuum"], ctx(decode(), prefills)).kind == "local"
+    assert route(POLICIES["ampd"], ctx(decode(), [])).kind == "local"  # no prefill workers
 
 
 def test_queue_disciplines():
@@ -211,6 +213,70 @@ def test_binding_picks_the_lowest_expected_kv_usage():
     assert choose_decode_worker([DecodeCandidate("a", 0.3, 10), DecodeCandidate("b", 0.1, 10)]) == "b"
     with pytest.raises(ValueError):
         choose_decode_worker([])
+
+
+# -- the round core: one home for what a round decides and records --------------------
+
+D_CANDIDATE, P1, P2 = Candidate("d", D_PROFILE), Candidate("p1", P_PROFILE), Candidate("p2", P_PROFILE)
+DECODERS = [DecodeCandidate("d", 0.5, 100_000), DecodeCandidate("e", 0.1, 100_000)]
+
+
+def test_core_binds_new_sessions_by_memory_and_keeps_a_serving_worker():
+    core = RoundCore(POLICIES["ampd"])
+    fresh = core.bind(None, DECODERS)
+    assert fresh.moved and fresh.state == SessionState("e")
+    held = SessionState("d", l_hist=900, prefill_worker="p1", prefill_cached=800, rounds=2)
+    assert core.bind(held, DECODERS) == Bound(held, moved=False)  # d still serves: it stays, though fuller
+    rewritten = core.bind(held, DECODERS, keeps_history=False)  # the client rewrote its history
+    assert not rewritten.moved and rewritten.state.l_hist == 0 and rewritten.state.decode_worker == "d"
+    lost = core.bind(held, DECODERS[1:])  # d left: the session moves, and nothing of it is cached there
+    assert lost.moved and lost.state == SessionState("e", 0, "p1", 800, 2)
+
+
+def test_core_plan_routes_with_the_sessions_cache_and_estimates_what_the_queue_holds():
+    core = RoundCore(POLICIES["disagg"], rng=random.Random(0))
+    state = SessionState("d", l_hist=3000, prefill_worker="p2", prefill_cached=2900)
+    signals = Signals({"p1": 0.0, "p2": 0.0}, {})
+    plan = core.plan(state, "t", 3400, 5.0, D_CANDIDATE, [P1, P2, D_CANDIDATE], signals, SLO_)
+    assert (plan.task.l_hist, plan.task.l_incr, plan.task.created_at) == (3000, 400, 5.0)
+    assert plan.route.worker_id == "p2"  # it holds 2,900 tokens of the session: the cheapest by Eq. 2
+    assert plan.estimate_s == pytest.approx(P_PROFILE.t_pre(2900, 500))  # compute only: no transfer, no queue
+    local = RoundCore(POLICIES["coloc"]).plan(state, "t", 3400, 5.0, Candidate("d", D_PROFILE, speed=4.0),
+                                              [P1], Signals({"d": 2.0}, {}), SLO_)  # fmt: skip
+    assert local.route.kind == "local" and local.estimate_s == pytest.approx(D_PROFILE.t_pre(3000, 400) / 4.0)
+    assert local.route.estimate_s == pytest.approx(local.estimate_s + 2.0)  # Eq. 1 adds d's queue
+
+
+def test_core_close_says_what_the_round_changed():
+    core = RoundCore(POLICIES["ampd"])
+    state = SessionState("d", l_hist=3000, rounds=1)
+    plan = RoundPlan(TASK, Route("remote", "p1", "ttft-slack", 1.2), 1.0)
+    result = RoundResult("remote", "d", ttft_s=1.5, itl_total_s=0.5, itl_count=10, prompt_tokens=3400,
+                         completion_tokens=11, queue_wait_s=0.2, prefill_s=1.1)  # fmt: skip
+    closed = core.close("s1", state, plan, result)
+    assert closed.state == SessionState("d", l_hist=3411, prefill_worker="p1", prefill_cached=3400, rounds=2)
+    assert closed.observations == (Observation("ttft", "p1", 1.5, 1), Observation("itl", "d", 0.5, 10))
+    record = closed.record
+    assert (record.round, record.kind, record.route, record.prefill_worker, record.queued_on) == (
+        2, "incremental", "remote", "p1", "p1")  # fmt: skip
+    assert record.mean_itl_s == pytest.approx(0.05) and (record.l_hist, record.l_incr) == (3000, 400)
+    # The prefill worker failed and the round ran locally: its TTFT is the decode worker's, no cache moved.
+    fallback = core.close("s1", state, plan, RoundResult("local", "d", None, 0.0, 0, 3400, 0))
+    assert fallback.state.prefill_worker == "" and fallback.observations == ()  # no token: nothing observed
+    assert fallback.record.queued_on == "p1" and fallback.record.prefill_worker is None
+
+
+def test_arrivals_count_until_a_scrape_that_began_after_landing():
+    arrivals = Arrivals()
+    arrivals.expect("d", 500)
+    arrivals.expect("d", 300)
+    arrivals.landed("d", 500)
+    landed = arrivals.scrape_started()
+    arrivals.landed("d", 300)  # landed while that scrape ran: it may not show it
+    arrivals.scraped(landed)
+    assert arrivals.tokens["d"] == 300
+    arrivals.scraped(arrivals.scrape_started())
+    assert arrivals.tokens["d"] == 0
 
 
 # -- session identity -----------------------------------------------------------------
@@ -250,7 +316,7 @@ def test_hashes_are_chained_and_scoped():
 def test_continues_detects_rewritten_history():
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     hashes = conversation_hashes("s", messages)
-    session = Session("id", "s", "d", l_hist=50, conversation_len=2, conversation_hash=hashes[-1])
+    session = Session("id", "s", SessionState("d", l_hist=50), conversation_len=2, conversation_hash=hashes[-1])
     longer = conversation_hashes("s", messages + [{"role": "user", "content": "c"}])
     edited = conversation_hashes(
         "s", [{"role": "user", "content": "A"}, *messages[1:], {"role": "user", "content": "c"}]

@@ -13,10 +13,13 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn_gateway, wait_healthy
+from gateway.core import RoundCore
+from gateway.leases import LEASE_S
 from gateway.metrics import GatewayMetrics
 from gateway.outage import RedisHealth
 from gateway.policies import POLICIES
-from gateway.queues import ALIVE_S, LEASE_S, RECONCILE_S, PrefillQueues
+from gateway.prefill_queue import PrefillQueues
+from gateway.replicas import ALIVE_S, RECONCILE_S
 from gateway.routing import PrefillTask
 from tests.engines import start_gateway, start_sim_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
@@ -36,7 +39,7 @@ def replica_queues(prefix: str, replica: str, client: aioredis.Redis, policy: st
     """One replica's prefill queues, in this process, with one slot per worker."""
     metrics = GatewayMetrics(postponements=lambda: 0)
     health = RedisHealth(metrics.redis_up, metrics.redis_errors)
-    return PrefillQueues(client, prefix, replica, POLICIES[policy], window=3, slots=1, max_queue=8, task_ttl_s=60,
+    return PrefillQueues(client, prefix, replica, RoundCore(POLICIES[policy]), slots=1, max_queue=8, task_ttl_s=60,
                          health=health)  # fmt: skip
 
 
@@ -125,7 +128,7 @@ def test_a_full_prefill_queue_answers_429(tmp_path):
 def test_a_dispatch_notice_lost_while_unsubscribed_does_not_strand_its_task():
     """Replica B dispatches replica A's queued task while A's notice subscription is
     down (Redis dropped it): the notice is lost, and A still starts the task because it
-    looks its waiting tasks up now and then (PrefillQueues._reconcile)."""
+    looks its waiting tasks up now and then (gateway.replicas.Replicas.reconcile)."""
 
     prefix = f"notice-{uuid.uuid4().hex[:8]}"
 
@@ -136,8 +139,8 @@ def test_a_dispatch_notice_lost_while_unsubscribed_does_not_strand_its_task():
         await b.start()
         try:
             now = time.time()
-            held = await b.submit("w", PrefillTask("t1", "s1", 0, 100, now), 0.1, 5.0)  # takes the one slot
-            waiting = asyncio.create_task(a.submit("w", PrefillTask("t2", "s2", 0, 100, now), 0.1, 5.0))
+            held = await b.submit("w", PrefillTask("t1", 0, 100, now), 0.1, 5.0)  # takes the one slot
+            waiting = asyncio.create_task(a.submit("w", PrefillTask("t2", 0, 100, now), 0.1, 5.0))
             await asyncio.sleep(0.3)
             assert not waiting.done()
             await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # A hears nothing for a moment
@@ -166,13 +169,13 @@ def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
         await a.start()
         await b.start()
         now = time.time()
-        held = await b.submit("w", PrefillTask("t1", "s1", 0, 100, now), 0.1, 5.0)
-        orphans = [asyncio.create_task(a.submit("w", PrefillTask(t, t, 0, 100, now), 0.1, 5.0)) for t in ("t2", "t3")]
+        held = await b.submit("w", PrefillTask("t1", 0, 100, now), 0.1, 5.0)
+        orphans = [asyncio.create_task(a.submit("w", PrefillTask(t, 0, 100, now), 0.1, 5.0)) for t in ("t2", "t3")]
         await asyncio.sleep(0.3)
         await a.stop()  # A dies: no more liveness, nobody listening for its tasks
         await asyncio.sleep(ALIVE_S + 0.5)
         try:
-            mine = asyncio.create_task(b.submit("w", PrefillTask("t4", "s4", 0, 100, now), 0.1, 5.0))
+            mine = asyncio.create_task(b.submit("w", PrefillTask("t4", 0, 100, now), 0.1, 5.0))
             await asyncio.sleep(0.3)
             started = time.monotonic()
             await b.finish("w", held.task_id)

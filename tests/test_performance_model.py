@@ -15,6 +15,8 @@ from perfmodel.profile import PROFILES_DIR, Profile, load_profile, shipped_profi
 from perfmodel.published import compare_dopd_table_i
 from perfmodel.roofline import paper_profiles, roofline_profile
 
+pytestmark = pytest.mark.unit
+
 
 def test_fit_recovers_a_piecewise_linear_function():
     def truth(x: float) -> float:

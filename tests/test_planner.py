@@ -21,6 +21,7 @@ SLO_ = derived_slo(TP2)
 
 
 # -- traces ---------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_generated_traces_match_table_1(name):
     w = WORKLOADS[name]
@@ -32,11 +33,13 @@ def test_generated_traces_match_table_1(name):
     assert shape["arrival_rate"] == pytest.approx(2.0, rel=0.08)
 
 
+@pytest.mark.unit
 def test_rag_traces_have_exactly_three_rounds_and_agents_spread():
     assert {len(s.rounds) for s in generate(WORKLOADS["hotpotqa"], 200, 1.0)} == {3}
     assert len({len(s.rounds) for s in generate(WORKLOADS["toolbench"], 200, 1.0)}) > 4
 
 
+@pytest.mark.unit
 def test_trace_round_trips_and_bad_lines_are_named(tmp_path: Path):
     trace = generate(WORKLOADS["toolbench"], 20, 1.0, seed=3)
     path = tmp_path / "t.jsonl"
@@ -59,6 +62,7 @@ def one_round(input_tokens: int, output_tokens: int) -> list[TraceSession]:
                          rounds=[TraceRound(input_tokens=input_tokens, output_tokens=output_tokens)])]  # fmt: skip
 
 
+@pytest.mark.unit
 def test_an_unloaded_remote_round_costs_exactly_what_the_profiles_say():
     """vLLM's hand-off: prefill on P, pull to D, recompute the last token on D, then decode."""
     config = SimConfig(decode=Pool(TP4, 1), prefill=Pool(TP2, 1), slo=SLO_, policy="disagg")
@@ -67,7 +71,7 @@ def test_an_unloaded_remote_round_costs_exactly_what_the_profiles_say():
     (record,) = sim.records
     expected_ttft = TP2.t_pre(0, 1000) + t_kv(1000, TP2, TP4) + TP4.t_pre(999, 1)
     assert record.route == "remote"
-    assert record.prefill_phase_s == pytest.approx(TP2.t_pre(0, 1000))
+    assert record.prefill_s == pytest.approx(TP2.t_pre(0, 1000))
     assert record.ttft_s == pytest.approx(expected_ttft)
     expected_itl = sum(TP4.t_dec(1, 1000 + k) for k in range(19)) / 19  # context grows one token a step
     assert record.mean_itl_s == pytest.approx(expected_itl)
@@ -76,6 +80,7 @@ def test_an_unloaded_remote_round_costs_exactly_what_the_profiles_say():
         assert not worker.scheduler.held and not worker.scheduler.requests
 
 
+@pytest.mark.unit
 def test_fused_decode_steps_change_nothing():
     """Many sessions, two decode workers (binding reads KV usage mid-step): identical records."""
     trace = generate(WORKLOADS["toolbench"], 80, 0.8, seed=3)
@@ -88,11 +93,12 @@ def test_fused_decode_steps_change_nothing():
     single, fused = records
     assert len(single) == sum(len(s.rounds) for s in trace)
     for a, b in zip(single, fused, strict=True):
-        assert (a.route, a.output_tokens) == (b.route, b.output_tokens)
+        assert (a.route, a.completion_tokens) == (b.route, b.completion_tokens)
         assert a.ttft_s == pytest.approx(b.ttft_s, abs=1e-9)
         assert (a.mean_itl_s or 0.0) == pytest.approx(b.mean_itl_s or 0.0, abs=1e-9)
 
 
+@pytest.mark.unit
 def test_policies_route_as_they_say_and_every_round_completes():
     trace = generate(WORKLOADS["toolbench"], 60, 0.5, seed=5)
     rounds = sum(len(s.rounds) for s in trace)
@@ -106,6 +112,7 @@ def test_policies_route_as_they_say_and_every_round_completes():
     assert all(0.0 < w.utilisation <= 1.0 for w in disagg.workers)
 
 
+@pytest.mark.unit
 def test_overload_shows_in_the_report():
     config = SimConfig(decode=Pool(TP4, 1), prefill=Pool(TP4, 1), slo=SLO_)
     light = simulate(config, generate(WORKLOADS["toolbench"], 40, 0.1, seed=1))
@@ -115,6 +122,7 @@ def test_overload_shows_in_the_report():
 
 
 # -- planning -------------------------------------------------------------------------
+@pytest.mark.unit
 def test_parsers_refuse_what_they_cannot_read():
     assert parse_gpus("8") == {"H20": 8}
     assert parse_gpus("H20=16,L40=8") == {"H20": 16, "L40": 8}
@@ -127,6 +135,7 @@ def test_parsers_refuse_what_they_cannot_read():
             parse_pool(bad)
 
 
+@pytest.mark.unit
 def test_profile_book_knows_which_degrees_fit():
     book = ProfileBook("llama-3.1-70b")
     assert book.feasible("H20") == [2, 4, 8]  # 141 GB of weights do not fit one 96 GB H20
@@ -136,6 +145,7 @@ def test_profile_book_knows_which_degrees_fit():
         book.get("H20", 1)
 
 
+@pytest.mark.unit
 def test_plan_picks_within_capacity_and_writes_the_deployment(tmp_path: Path):
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 60, 0.4, seed=2)
@@ -152,6 +162,7 @@ def test_plan_picks_within_capacity_and_writes_the_deployment(tmp_path: Path):
     assert f"PREFILL_TP={best.prefill.tp}\n" in env.read_text()
 
 
+@pytest.mark.unit
 def test_heterogeneous_plan_keeps_each_type_within_its_own_capacity():
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 40, 0.3, seed=4)
@@ -183,6 +194,7 @@ def test_cli_generates_simulates_and_plans(tmp_path: Path):
     assert out.with_suffix(".env").exists()
 
 
+@pytest.mark.unit
 def test_explicit_slo_overrides_the_derived_one():
     trace = one_round(1000, 10)
     tight = simulate(SimConfig(decode=Pool(TP4, 1), prefill=Pool(TP4, 1), slo=SLO(0.01, 0.001)), trace)

@@ -20,6 +20,8 @@ from planner.ilp import (
     solve_with_stats,
 )
 
+pytestmark = pytest.mark.unit
+
 DEGREES = (1, 2, 4, 8)
 
 

@@ -10,16 +10,9 @@ import pytest
 
 from perfmodel.piecewise import Piece, PiecewiseLinear
 from perfmodel.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
-from planner.profiler import (
-    DecodeSample,
-    Grid,
-    Measurements,
-    PrefillSample,
-    TransferSample,
-    fit,
-    profile_worker,
-    report_table,
-)
+from planner.profiler import profile_worker
+from planner.profiler.fit import fit, report_table
+from planner.profiler.samples import DecodeSample, Grid, Measurements, PrefillSample, TransferSample
 from tests.engines import start_sim_worker, stop
 
 TRUE = load_profile(DEFAULT_PROFILE)  # Llama-3.1-8B on one H100 (roofline)
@@ -77,6 +70,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / b
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("monotone", [True, False])
 def test_fit_recovers_a_known_profile_exactly(monotone):
     truth = _known_profile()
@@ -104,6 +98,7 @@ def test_fit_recovers_a_known_profile_exactly(monotone):
     Profile.model_validate_json(fitted.model_dump_json())  # a valid profile file
 
 
+@pytest.mark.unit
 def test_monotone_fit_of_noisy_samples_never_gets_cheaper_with_more_work():
     rng = random.Random(7)
     measured = _synthetic(_known_profile(), Grid())
@@ -122,6 +117,7 @@ def test_monotone_fit_of_noisy_samples_never_gets_cheaper_with_more_work():
     assert report.piece("forward").max_rel_error < 0.15
 
 
+@pytest.mark.unit
 def test_fit_without_transfer_samples_uses_the_roofline_kv_transfer():
     truth = _known_profile()
     measured = _synthetic(truth, Grid()).model_copy(update={"transfer": []})

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from workers.sim import protocol as p
 from workers.sim.responder import Length, Responder
 from workers.sim.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.unit
 
 TOOLS = [
     {

@@ -9,6 +9,8 @@ import pytest
 from workers.sim.responder import Length, Responder, ScriptError, SimScript
 from workers.sim.tokenizer import EOS_ID, Tokenizer, render_chat
 
+pytestmark = pytest.mark.unit
+
 TOOLS = [
     {
         "type": "function",

@@ -8,7 +8,7 @@ result in short slices and gives up with a tool error - never a hang - when:
   every second (``job_monitoring_interval=1``), so a killed worker is noticed within
   ``stale_after_s``;
 * no worker picked the job up before the deadline;
-* Redis, which carries the jobs, does not answer.
+* Redis, which carries the jobs, does not answer, or lost the job.
 
 rq is synchronous; the waiting happens on a dedicated thread pool.
 """
@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 
 import redis
 from rq import Queue
+from rq.exceptions import InvalidJobOperation
 from rq.job import Job, JobStatus
 from rq.results import Result
 
@@ -53,6 +54,8 @@ class ToolRunner:
             return self._run(name, arguments)
         except (redis.RedisError, OSError) as exc:
             return Outcome(False, f"{name} tool error: the tools queue is unavailable ({exc})")
+        except InvalidJobOperation:  # its job's record is gone: Redis came back empty, say
+            return Outcome(False, f"{name} tool error: the tools queue lost this call")
 
     def _run(self, name: str, arguments: str) -> Outcome:
         tool = TOOLS.get(name)

@@ -6,7 +6,7 @@ prefill, at most ``max_num_seqs`` running requests, paged KV with prefix caching
 (workers.sim.kv_cache), and recompute preemption when the cache runs out.
 
 One deliberate difference: the budget goes to prefill work first and decodes take
-what is left. That is the behaviour AMPD assumes (shared/seeds/003_517589c8db448ff1.txt,
+what is left. That is the behaviour AMPD assumes ("Efficient Multi-round LLM Inference over Disaggregated Serving",
 section 3, footnote 3: prefill tasks are prioritised over decoding), and it is what
 makes a local incremental prefill pause the decode batch it lands on.
 

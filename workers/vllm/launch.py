@@ -3,7 +3,7 @@
 Every engine gets vLLM's NixlConnector with ``kv_role: kv_both``, whatever its ampd
 role. The role is ampd's (which work the gateway sends it); the connector must let a
 decode worker both pull a remote prefill's KV and prefill locally (AMPD's local
-incremental prefill, shared/seeds/003_517589c8db448ff1.txt section 4.1), and lets a
+incremental prefill, AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 4.1), and lets a
 deployment flip a worker's role without restarting its engine. A KV pull that fails (the
 NIXL handshake timing out, the prefill engine gone) recomputes the missing blocks on the
 decode engine instead of failing the round: the round still answers, only slower.

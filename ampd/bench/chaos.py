@@ -41,9 +41,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from ampd.bench.replay import TOOL, words
 from ampd.local_redis import LocalRedis, free_port, server_binary, start_private_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
-from ampd.replay import TOOL, words
 from gateway.upstream import Reply
 
 FAULTS = ("decode", "prefill", "redis", "tools", "gateway")

@@ -1,13 +1,14 @@
-"""How long the planner's ILP takes as the cluster grows (AMPD appendix A.2, Figure 7).
+"""`ampd bench ilp`: how long the planner's ILP takes as the cluster grows.
 
-    python bench/plan_solve_time.py [--repeats 5]
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), Appendix A.2
+and Figure 7: Eq. 5 solved for clusters of 8 to 256 GPUs.
 
 For N in {8, ..., 256} GPUs of one type, degrees {1, 2, 4, 8} and 1..N/n replicas per
 phase, times planner.ilp.solve(top=3) (the paper's Table 2 lists a top-3), the first of
 its three solves alone, and the brute force over every pair for comparison; checks that
 the ILP's three keys equal the brute force's first three. Prints a table and writes
-bench/results/plan_solve_time.json. The issue's target: N = 256 in under 10 s (the paper
-reports about a minute at 256 GPUs, for its own formulation).
+JSON. The target: N = 256 in under 10 s (the paper reports about a minute at 256 GPUs,
+for its own formulation).
 
 tau is synthetic, not simulated: a replica of degree n among m replicas of a phase gets
 
@@ -25,11 +26,9 @@ replicas; which degree wins differs per phase and per N.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,7 +47,6 @@ LATENCY_EXPONENT = {"prefill": 0.7, "decode": 0.4}
 THROUGHPUT_EXPONENT = {"prefill": 0.8, "decode": 0.6}
 LOAD_PER_GPU = {"prefill": 0.10, "decode": 0.06}
 TARGET_S = 10.0
-RESULTS = Path(__file__).resolve().parent / "results" / "plan_solve_time.json"
 
 
 @dataclass(frozen=True)
@@ -129,32 +127,24 @@ def render(rows: list[Row]) -> Table:
     return table
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5, help="runs per size; the median is reported")
-    args = parser.parse_args()
-    rows = [measure(gpus, args.repeats) for gpus in SIZES]
-    console = Console()
-    console.width = max(console.width, 110)  # the table's width; a pipe would otherwise get 80 columns
+def run_ilp_bench(console: Console, repeats: int, out: Path | None) -> int:
+    rows = [measure(gpus, repeats) for gpus in SIZES]
     console.print(render(rows))
     largest = rows[-1]
     verdict = "meets" if largest.top3_s < TARGET_S else "MISSES"
-    print(f"N={largest.gpus}: top-3 in {largest.top3_s:.3f} s, {verdict} the {TARGET_S:.0f} s target")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "tau": "synthetic: a / n**s / (1 - min(0.95, load / (m * n**t))), see bench/plan_solve_time.py",
-        "degrees": list(DEGREES),
-        "repeats": args.repeats,
-        "target_s": TARGET_S,
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
-        "scip": str(pyscipopt.Model().version()),
-        "pyscipopt": pyscipopt.__version__,
-        "rows": [asdict(r) for r in rows],
-    }
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    console.print(f"N={largest.gpus}: top-3 in {largest.top3_s:.3f} s, {verdict} the {TARGET_S:.0f} s target")
+    if out is not None:
+        report = {
+            "tau": "synthetic: a / n**s / (1 - min(0.95, load / (m * n**t))), see ampd/bench/ilp.py",
+            "degrees": list(DEGREES),
+            "repeats": repeats,
+            "target_s": TARGET_S,
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine()},
+            "scip": str(pyscipopt.Model().version()),
+            "pyscipopt": pyscipopt.__version__,
+            "rows": [asdict(r) for r in rows],
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"wrote {out}")
     return 0 if largest.top3_s < TARGET_S and all(r.matches_brute_force for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from ampd.loadgen import stream_chat
+from ampd.bench.loadgen import stream_chat
 from ampd.processes import spawn_sim_worker, wait_healthy
 from perfmodel.profile import load_profile
 

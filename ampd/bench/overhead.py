@@ -28,7 +28,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from ampd.bench_gateway import drive, percentile_ms
+from ampd.bench.gateway import drive, percentile_ms
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 

@@ -24,11 +24,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from ampd.loadgen import StreamTiming, stream_chat
+from ampd.bench.loadgen import StreamTiming, stream_chat
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
-from gateway.policies import POLICIES, route
-from gateway.routing import PrefillTask, WorkerView
+from gateway.core import ITL, TTFT_REMOTE, Candidate, RoundCore, SessionState, Signals
+from gateway.policies import POLICIES
 from perfmodel.profile import load_profile
 from perfmodel.slo import SLO
 
@@ -71,15 +71,17 @@ async def drive(url: str, model: str, streams: int, requests: int, output_tokens
 
 
 def decision_cost_us(iterations: int = 20_000) -> float:
-    """Microseconds per AMPD routing decision in its full-cost branch (no I/O)."""
+    """Microseconds per round the core plans (AMPD's routing in its full-cost branch and the
+    queue estimate), as the gateway times it; no I/O."""
     d_prof, p_prof = load_profile("llama-3.1-70b_h20_tp4"), load_profile("llama-3.1-70b_h20_tp2")
-    decode = WorkerView("d", d_prof, windowed_itl=1.0, queue_cost=0.4)
-    prefills = [WorkerView(f"p{i}", p_prof, windowed_ttft=9.0, queue_cost=0.1 * i) for i in range(8)]
-    task = PrefillTask("t", "s", 3000, 3400, 0.0)
-    slo, rng, policy = SLO(1.0, 0.05), random.Random(0), POLICIES["ampd"]
+    decode, prefills = Candidate("d", d_prof), [Candidate(f"p{i}", p_prof) for i in range(8)]
+    costs = {"d": 0.4} | {p.worker_id: 0.1 * i for i, p in enumerate(prefills)}
+    signals = Signals(costs, {(ITL, "d"): 1.0} | {(TTFT_REMOTE, p.worker_id): 9.0 for p in prefills})
+    state, slo = SessionState("d", l_hist=3000), SLO(1.0, 0.05)
+    core = RoundCore(POLICIES["ampd"], rng=random.Random(0))
     started = time.perf_counter()
     for _ in range(iterations):
-        route(policy, task, decode, prefills, slo, 0.9, 0.85, rng)
+        core.plan(state, "t", 3400, 0.0, decode, prefills, signals, slo)
     return (time.perf_counter() - started) / iterations * 1e6
 
 

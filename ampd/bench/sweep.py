@@ -1,6 +1,6 @@
 """`ampd bench sweep`: SLO attainment against load, per policy, in the simulator.
 
-The shape of the AMPD paper's Figure 4 (shared/seeds/003_517589c8db448ff1.txt,
+The shape of the AMPD paper's Figure 4 (AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"),
 section 7.2): for one workload, every policy runs the same trace at each arrival rate
 (one seed, so the rates differ only in arrival spacing), on the deployment given for
 it - a prefill and a decode pool for the disaggregated policies, one colocated pool for

@@ -1,7 +1,7 @@
 """`ampd bench paper`: the AMPD paper's end-to-end comparison, in the simulator.
 
-shared/seeds/003_517589c8db448ff1.txt, section 7: each trace runs on the paper's cluster
-size (8 GPUs for ToolBench and HotpotQA, 16 for DuReader, 32 for GAIA; section 7.1), and
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 7: each trace runs
+on the paper's cluster size (8 GPUs for ToolBench and HotpotQA, 16 for DuReader, 32 for GAIA; section 7.1), and
 each policy on its own best deployment at each arrival rate (section 7.1, "Protocols"):
 
 * ``ampd`` on the deployment the offline planner picks (planner.plan: Eq. 5 solved with
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from ampd.bench_sweep import SweepPoint
+from ampd.bench.sweep import SweepPoint
 from perfmodel.catalog import TP_DEGREES
 from perfmodel.slo import SLO
 from planner.plan import ProfileBook, attainment_key, plan

@@ -1,7 +1,7 @@
 """`ampd bench run`: a trace replayed live, next to the simulator's prediction for it.
 
 Live: Redis, GPU-free workers (``ampd worker sim``) running ``speed`` times faster than
-the modelled GPU, and the gateway with the chosen policy; ampd.replay drives one agent
+the modelled GPU, and the gateway with the chosen policy; ampd.bench.replay drives one agent
 session per trace session (the round, the tool's latency, the tool result, the next
 round). Wall-clock latencies are multiplied by ``speed`` to compare with the simulator's
 virtual time, and judged against the modelled SLO. The same trace then runs through
@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ampd.bench.replay import LiveRound, replay
 from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
-from ampd.replay import LiveRound, replay
 from ampd.stack import STATE_DIR
 from perfmodel.profile import load_profile
 from perfmodel.slo import SLO, derived_slo

@@ -39,10 +39,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from ampd.bench_gateway import percentile_ms
+from ampd.bench.gateway import percentile_ms
+from ampd.bench.replay import TOOL, agent_client, stream_round, words
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
-from ampd.replay import TOOL, agent_client, stream_round, words
 
 
 @dataclass(frozen=True)

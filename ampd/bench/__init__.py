@@ -1,0 +1,1 @@
+"""Benchmarks: one module per `ampd bench` command (registered in ampd.bench.commands)."""

@@ -1,0 +1,271 @@
+"""`ampd bench ...`: every benchmark command, registered here; each one's work is its own
+module of ampd.bench, imported when the command runs (so ``ampd --help`` stays quick)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+from ampd.planning import ModelOption, ProfilesOption, fail, ms, profile_book, slo_for
+from perfmodel.catalog import GPUS
+from perfmodel.profile import DEFAULT_PROFILE
+from perfmodel.slo import DEFAULT_SCALE
+
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+console = Console()
+
+
+@bench_app.command("engine")
+def bench_engine(
+    profile: str = DEFAULT_PROFILE,
+    speed: float = 20.0,
+    tolerance: Annotated[float, typer.Option(help="allowed ITL excess over the model")] = 0.05,
+    output_tokens: int = 200,
+    port: int = 8190,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Concurrent streams one sim worker sustains on one core within the ITL tolerance."""
+    from ampd.bench.engine import run_engine_bench
+
+    raise typer.Exit(run_engine_bench(console, profile, speed, tolerance, output_tokens, port, out))
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    speed: float = 1.0,
+    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
+    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
+    output_tokens: int = 32,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Latency the gateway adds over calling a worker directly, and the routing decision's cost."""
+    from ampd.bench.gateway import run_gateway_bench
+
+    level_list = [int(x) for x in levels.split(",")]
+    raise typer.Exit(run_gateway_bench(console, speed, level_list, requests, output_tokens, out))
+
+
+@bench_app.command("overhead")
+def bench_overhead(
+    arms: Annotated[str, typer.Option(help="comma-separated, of direct, ampd, litellm, vllm-router")] = (
+        "direct,ampd,litellm,vllm-router"
+    ),
+    levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
+    requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
+    output_tokens: int = 32,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
+) -> None:
+    """Latency ampd, LiteLLM's proxy and vllm-router add over calling one worker directly."""
+    from ampd.bench.overhead import run_overhead_bench
+
+    level_list = [int(x) for x in levels.split(",")]
+    raise typer.Exit(run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, out))
+
+
+@bench_app.command("load")
+def bench_load(
+    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 1000,
+    minutes: Annotated[float, typer.Option(help="how long the gateway run lasts")] = 10.0,
+    baseline_minutes: Annotated[float, typer.Option(help="how long the direct run (the baseline) lasts")] = 3.0,
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 10.0,
+    policy: Annotated[str, typer.Option(help="gateway policy; coloc keeps the comparison to the gateway")] = "coloc",
+    rounds: int = 4,
+    output_tokens: int = 20,
+    think_min_s: float = 4.0,
+    think_max_s: float = 12.0,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Agent sessions for minutes through the gateway: lost rounds, errors, memory, added latency."""
+    from ampd.bench.load import LoadShape, run_load_bench
+
+    shape = LoadShape(rounds=rounds, output_tokens=output_tokens, think_s=(think_min_s, think_max_s))
+    raise typer.Exit(run_load_bench(console, agents, minutes, baseline_minutes, speed, policy, shape, out))
+
+
+@bench_app.command("chaos")
+def bench_chaos(
+    agents: Annotated[int, typer.Option(help="concurrent agent sessions")] = 24,
+    minutes: float = 5.0,
+    interval_s: Annotated[float, typer.Option(help="seconds between faults")] = 15.0,
+    down_s: Annotated[float, typer.Option(help="seconds a killed part stays down")] = 3.0,
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 2.0,
+    rounds: Annotated[int, typer.Option(help="model calls per session")] = 3,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Agent sessions while decode/prefill/tools workers, Redis and gateway replicas are killed in turn."""
+    from ampd.bench.chaos import run_chaos_bench
+
+    raise typer.Exit(run_chaos_bench(console, agents, minutes, interval_s, down_s, speed, rounds, out))
+
+
+@bench_app.command("run")
+def bench_run(
+    trace: Annotated[Path | None, typer.Option(help="JSONL trace to replay (else one is generated)")] = None,
+    workload: Annotated[str, typer.Option(help="trace to generate: toolbench, gaia, hotpotqa or dureader")] = (
+        "toolbench"
+    ),
+    sessions: Annotated[int, typer.Option(help="sessions to generate")] = 120,
+    rate: Annotated[
+        float | None, typer.Option(help="sessions per modelled second (a given trace is re-spaced to it)")
+    ] = None,
+    policy: str = "ampd",
+    profile: str = "llama-3.1-70b_h20_tp4",
+    speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
+    seed: int = 0,
+    port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Replay a trace live (gateway + GPU-free workers), next to the simulator's prediction."""
+    from ampd.bench.run import LiveSetup, run_bench
+    from planner.trace import WORKLOADS, generate, load_trace, respace
+
+    try:
+        if trace is not None:
+            sessions_list = load_trace(trace)
+            label = str(trace) if rate is None else f"{trace} re-spaced to {rate:g}/s (seed {seed})"
+            if rate is not None:
+                sessions_list = respace(sessions_list, rate, seed)
+        elif workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+        else:
+            rate = 0.5 if rate is None else rate
+            sessions_list = generate(WORKLOADS[workload], sessions, rate, seed)
+            label = f"{workload}, {sessions} sessions at {rate:g}/s (seed {seed})"
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url)
+    raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    sessions: int = 10_000,
+    rate: Annotated[float, typer.Option(help="ToolBench sessions per second")] = 0.5,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Simulator speed: a ToolBench trace through 8 H20 (Llama-3.1-70B, P and D at TP4), on one core."""
+    from ampd.bench.simulate import run_simulate_bench
+
+    raise typer.Exit(run_simulate_bench(console, sessions, rate, out))
+
+
+@bench_app.command("sweep")
+def bench_sweep(
+    workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
+    rates: Annotated[str, typer.Option(help="arrival rates, sessions/s, comma-separated")] = "1.0,1.5,2.0,2.5,3.0",
+    policies: Annotated[str, typer.Option(help="comma-separated")] = "ampd,disagg,coloc,continuum",
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    prefill: Annotated[str, typer.Option(help="prefill pool TPxDP of the disaggregated policies")] = "4x1",
+    decode: Annotated[str, typer.Option(help="decode pool TPxDP of the disaggregated policies")] = "4x1",
+    colocated: Annotated[str, typer.Option(help="the one pool TPxDP of coloc and continuum")] = "4x2",
+    profile: ProfilesOption = None,
+    sessions: Annotated[int, typer.Option(help="sessions per point")] = 400,
+    slo_scale: float = DEFAULT_SCALE,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results"),
+) -> None:
+    """SLO attainment against arrival rate per policy, simulated (the shape of the paper's Figure 4)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from ampd.bench.sweep import sweep, write
+    from planner.plan import parse_pool
+    from planner.simulator import Pool
+    from planner.trace import WORKLOADS
+
+    if workload not in WORKLOADS:
+        raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    book = profile_book(model, profile)
+    try:
+        rate_list = [float(r) for r in rates.split(",") if r]
+        pools = [Pool(book.get(gpu, tp), dp) for tp, dp in map(parse_pool, (prefill, decode, colocated))]
+        slo = slo_for(book, gpu, slo_scale, None, None)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            points = sweep(WORKLOADS[workload], rate_list, policies.split(","), (pools[0], pools[1]), pools[2],
+                           slo, sessions, seed, progress)  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, "
+             f"SLO TTFT {ms(slo.ttft_s)} / ITL {ms(slo.itl_s)} (simulated)")  # fmt: skip
+    for path in write(points, out_dir, f"sweep_{workload}", title):
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("paper")
+def bench_paper(
+    workloads: Annotated[
+        str,
+        typer.Option(help="comma-separated, of toolbench, hotpotqa, dureader, gaia"),
+    ] = "toolbench,hotpotqa,dureader,gaia",
+    rates: Annotated[
+        list[str] | None, typer.Option(help="WORKLOAD=R1,R2,... (sessions/s) to replace a trace's default rates")
+    ] = None,
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    profile: ProfilesOption = None,
+    sessions: Annotated[
+        int | None, typer.Option(help="sessions per point; default 300, and 800 for GAIA's minutes-long sessions")
+    ] = None,
+    slo_scale: float = DEFAULT_SCALE,
+    sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 1.2,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
+) -> None:
+    """The paper's comparison: every policy on its best deployment at the paper's cluster sizes (simulated)."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from ampd.bench.paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
+
+    names = [w for w in workloads.split(",") if w]
+    unknown = [w for w in names if w not in PAPER_GPUS]
+    if unknown or not names:
+        raise fail(f"unknown workloads {unknown}; one or more of {', '.join(PAPER_GPUS)}")
+    grid = dict(DEFAULT_RATES)
+    try:
+        for spec in rates or []:
+            name, _, values = spec.partition("=")
+            if name not in PAPER_GPUS or not values:
+                raise ValueError(f"bad --rates {spec!r}: write WORKLOAD=R1,R2 with a known workload")
+            grid[name] = tuple(float(r) for r in values.split(","))
+        book = profile_book(model, profile)
+        slos = {w: trace_slo(book, gpu, w, slo_scale) for w in names}
+        counts = {w: sessions or DEFAULT_SESSIONS[w] for w in PAPER_GPUS}
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as progress:
+            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], counts[w], slos[w], seed, progress)]
+        setup, sensitive = "", []
+        if sensitivity_rate > 0:
+            dureader = trace_slo(book, gpu, "dureader", slo_scale)
+            with console.status("sensitivity to w, alpha and beta (DuReader)"):
+                setup, sensitive = sensitivity(
+                    book, gpu, "dureader", sensitivity_rate, counts["dureader"], dureader, seed
+                )
+            setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    per_point = ", ".join(f"{w} {counts[w]}" for w in names)
+    title = (f"{model} on {gpu}, sessions per point: {per_point}, SLO scale {slo_scale:g} "
+             "(simulated; every policy on its best deployment)")  # fmt: skip
+    for path in write(out_dir, title, points, slos, setup, sensitive):
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("ilp")
+def bench_ilp(
+    repeats: Annotated[int, typer.Option(help="runs per cluster size; the median is reported")] = 5,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Eq. 5's solve time in SCIP for 8 to 256 GPUs, next to the brute force (synthetic taus)."""
+    from ampd.bench.ilp import run_ilp_bench
+
+    console.width = max(console.width, 110)  # the table's width; a pipe would otherwise get 80 columns
+    raise typer.Exit(run_ilp_bench(console, repeats, out))

@@ -1,0 +1,291 @@
+"""The coordinator: one client request (an exchange) from its body to its last round.
+
+The life of an exchange: find its session (gateway.sessions) and bind it to a decode
+worker; count the prompt with the engine's ``/tokenize``; read the load signals of the
+workers it could use; plan its first round with the round core and run it
+(gateway.rounds); when server-side tools are enabled, run the calls the model made on
+the tools workers and the next round after them (gateway.tool_loop); finally remember
+the conversation the client now holds, and what the engine holds when that differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
+from gateway.config import GatewayConfig
+from gateway.core import RoundCore, Signals, signal_series
+from gateway.exchange import PUBLIC_SCOPE, Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.outage import RedisHealth
+from gateway.policies import POLICIES
+from gateway.pool import WorkerPool
+from gateway.prefill_queue import PrefillQueues
+from gateway.rounds import Round, RoundRecorder, RoundRunner
+from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
+from gateway.stats import WindowedStats
+from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
+from gateway.tracing import RoundTracer
+from gateway.upstream import EngineClient, Reply, UpstreamError
+from perfmodel.slo import SLO, derived_slo
+from tools_sandbox.client import ToolRunner
+from tools_sandbox.outcome import Outcome
+from tools_sandbox.registry import TOOLS, openai_tool
+
+log = logging.getLogger(__name__)
+content_log = logging.getLogger("ampd.content")  # prompts and replies: only with config.log_content
+REDIS_CONNECTIONS = 256
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        # Block for a free connection rather than fail when hundreds of requests are in flight.
+        # A connection Redis dropped (a restart) fails on first use: it is opened again and
+        # the command sent once more - a write on a dead socket never reached Redis, so the
+        # retry cannot apply it twice. (With a pool of its own, redis-py retries nothing.)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
+            retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError],
+        )  # fmt: skip
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self.client = EngineClient(config.request_timeout_s)
+        core = RoundCore(
+            POLICIES[config.policy],
+            config.alpha,
+            config.beta,
+            config.reorder_window,
+            random.Random(config.routing_seed),
+        )
+        self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
+        self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
+        self.queues = PrefillQueues(
+            self.redis, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
+            max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=self.health,
+        )  # fmt: skip
+        self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
+        self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s, self.health)
+        self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
+        self.rounds = RoundRunner(
+            core, self.pool, self.queues, self.client, self.metrics, config.migration_limit,
+            RoundRecorder(core, self.redis, self.stats, self.sessions, RoundTracer(), self.metrics, self.health),
+        )  # fmt: skip
+        self.key_hashes = config.key_hashes
+        self.tools = ToolRunner(config.redis_url, config.key_prefix)
+        self._refresher: asyncio.Task | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.pool.refresh()
+        self.queues.watch(self.pool.workers)
+        await self.queues.start()
+        self._refresher = asyncio.create_task(self._refresh_forever(), name="pool-refresh")
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        await self.queues.stop()
+        await self.client.close()
+        self.tools.close()
+        await self.redis.aclose()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.scrape_interval_s)
+            await self.pool.refresh()
+            self.queues.watch(self.pool.workers)
+
+    # -- an exchange begins -----------------------------------------------------------------
+    def authenticate(self, authorization: str | None) -> str:
+        """The caller's scope: sessions, hashes and ids are namespaced by it."""
+        if not self.key_hashes:
+            return PUBLIC_SCOPE
+        key = (authorization or "").removeprefix("Bearer ").strip()
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if not key or digest not in self.key_hashes:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return digest[:16]
+
+    def slo_for(self, model: str) -> SLO:
+        worker = self.pool.decoders(model)[0].info
+        derived = derived_slo(worker.profile, self.config.slo_scale).scaled(worker.speed)
+        return SLO(self.config.ttft_slo_s or derived.ttft_s, self.config.itl_slo_s or derived.itl_s)
+
+    def resolve_model(self, requested: str | None) -> str:
+        models = self.pool.models()
+        if requested is None and len(models) == 1:
+            return models[0]
+        if requested is None:
+            raise APIError(400, "model is required", param="model")
+        if requested not in models:
+            if not models:
+                raise APIError(503, "no worker is available", code="no_worker")
+            raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        if not self.pool.decoders(requested):
+            raise APIError(503, f"no decode worker is available for {requested}", code="no_worker")
+        return requested
+
+    async def open(self, raw: dict[str, Any], headers: dict[str, str], scope: str) -> tuple[Exchange, Round]:
+        """Everything before the first prefill runs: session, binding, counting, the plan."""
+        arrival = time.time()
+        try:
+            request = ChatRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        check_tool_messages(request.messages)
+        model = self.resolve_model(request.model)
+        server_tools = self._enabled_tools(request)
+        engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        hashes = conversation_hashes(scope, messages)
+        explicit = explicit_session_id(headers, raw)
+        # One concurrent stage: the session, the prompt's length, and the load signals of
+        # every worker the round could go to (which one it is depends on the first two).
+        found, l_total, signals = await asyncio.gather(
+            self._find_session(scope, explicit, hashes),
+            self._count(model, messages, engine_tools or None),
+            self._signals(model),
+        )
+        session, transcript = found
+        extends = session is not None and continues(session, hashes)
+        engine_messages = messages
+        if extends and transcript is not None:  # server tool rounds the client never saw
+            engine_messages = transcript + messages[session.conversation_len :]
+            l_total = await self._count(model, engine_messages, engine_tools or None)
+        bound = self.rounds.bind(session.state if session else None, model, l_total, keeps_history=extends)
+        if session is None:
+            self.metrics.sessions.inc()
+            session = new_session(explicit or uuid.uuid4().hex, scope, bound.state, explicit_id=explicit is not None)
+        wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
+        exchange = Exchange(
+            arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,
+            server_tools, session, self.slo_for(model), wants_usage,
+        )  # fmt: skip
+        exchange.rebound(bound)
+        return exchange, self.rounds.plan(exchange, bound, l_total, arrival, signals)
+
+    def _enabled_tools(self, request: ChatRequest) -> frozenset[str]:
+        wanted = frozenset(request.server_tools or ())
+        unknown = wanted - set(self.config.server_tools)
+        if unknown:
+            raise APIError(400, f"server_tools not offered by this gateway: {sorted(unknown)}", param="server_tools")
+        clashing = wanted & {t.function.name for t in request.tools or []}
+        if clashing:
+            raise APIError(400, f"tools named like server tools: {sorted(clashing)}", param="tools")
+        return wanted
+
+    async def _find_session(
+        self, scope: str, explicit: str | None, hashes: list[str]
+    ) -> tuple[Session | None, list[dict[str, Any]] | None]:
+        """The request's session, and its transcript if server-side rounds made one."""
+        session_id = explicit or await self.sessions.infer(scope, hashes)
+        if session_id is None:
+            return None, None
+        session = await self.sessions.load(scope, session_id)
+        if session is None or not session.has_transcript:
+            return session, None
+        return session, await self.sessions.transcript(scope, session_id)
+
+    async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+        """The prompt's length in tokens, from the least loaded decode worker. One that is
+        lost (killed since its last scrape) is left out of the pool and the next one asked."""
+        lost: UpstreamError | None = None
+        for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
+            try:
+                return await self.client.tokenize(worker.info.url, model, messages, tools)
+            except UpstreamError as exc:
+                if not exc.lost:
+                    raise
+                self.pool.forget(worker.info.worker_id)
+                lost = exc
+        raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
+
+    async def _signals(self, model: str) -> Signals:
+        """Queued prefill seconds and windowed TTFT/ITL of every worker a round of ``model`` could use."""
+        ids = sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
+        costs, means = await asyncio.gather(self.queues.queue_costs(ids), self.stats.means(signal_series(ids)))
+        return Signals(costs, means)
+
+    # -- its rounds -------------------------------------------------------------------------
+    async def converse(self, ex: Exchange, first: Round, client: Reply) -> AsyncIterator[bytes]:
+        """Run the exchange's rounds; yields the SSE events the client gets and fills
+        ``client`` (what a non-streaming client gets). Without server-side tools this
+        is one round relayed as it is; with them, every round whose calls are all
+        server-side is followed by the tools and another round (gateway.tool_loop)."""
+        r, usage, limit = first, {"prompt_tokens": 0, "completion_tokens": 0}, self.config.max_tool_rounds
+        for index in range(1, limit + 2):
+            engine = Reply(started=r.plan.task.created_at) if ex.server_tools else client
+            view = ClientView(ex.server_tools, engine, client, index > limit)
+            async for events in self.rounds.run(ex, r, engine, view if ex.server_tools else None):
+                yield events
+            for key in usage:
+                usage[key] += int((engine.usage or {}).get(key, 0))
+            calls = view.server_calls() if ex.server_tools else []
+            message = engine.message()
+            if calls and index > limit:  # out of rounds: the calls go unanswered
+                message.pop("tool_calls")
+                calls = []
+            ex.engine_messages = ex.engine_messages + [message]
+            if not calls:
+                break
+            outcomes = list(await asyncio.gather(*(self._run_tool(c) for c in calls)))
+            ex.engine_messages = ex.engine_messages + tool_messages(calls, outcomes)
+            ex.rounds.append(round_summary(index, calls, outcomes))
+            if client.head is not None and ex.streaming:
+                yield b"data: " + orjson.dumps(announcement(client.head, index, calls, outcomes)) + b"\n\n"
+            if view.client_calls():
+                break  # the client has calls of its own to answer first
+            r = await self._next_round(ex)
+        if ex.server_tools:
+            client.usage = dict(usage, total_tokens=usage["prompt_tokens"] + usage["completion_tokens"])
+            if ex.wants_usage and ex.streaming and client.head is not None:
+                yield b"data: " + orjson.dumps({**client.head, "object": "chat.completion.chunk", "choices": [],
+                                                "usage": client.usage}) + b"\n\n"  # fmt: skip
+        await self._close(ex, client)
+        yield b"data: [DONE]\n\n"
+
+    async def _run_tool(self, call: dict[str, Any]) -> Outcome:
+        started = time.perf_counter()
+        outcome = await self.tools.run(call["function"]["name"], call["function"]["arguments"])
+        self.metrics.tool_seconds.labels(call["function"]["name"]).observe(time.perf_counter() - started)
+        return outcome
+
+    async def _next_round(self, ex: Exchange) -> Round:
+        """The tool results are in: their incremental prefill is the next round's task."""
+        created, model = time.time(), ex.body["model"]
+        l_total, signals = await asyncio.gather(
+            self._count(model, ex.engine_messages, ex.engine_tools), self._signals(model)
+        )
+        try:  # the decode worker may have been lost while the tools ran: the session moves on
+            bound = self.rounds.bind(ex.session.state, model, l_total)
+        except ValueError as exc:
+            raise UpstreamError(f"no decode worker is left for {model}", 503) from exc
+        ex.rebound(bound)
+        return self.rounds.plan(ex, bound, l_total, created, signals)
+
+    # -- the exchange ends ------------------------------------------------------------------
+    async def _close(self, ex: Exchange, client: Reply) -> None:
+        """Remember the exchange: the conversation the client now holds, and - when it
+        differs - what the engine holds, for the session's next request."""
+        conversation = ex.client_messages + [client.message()]
+        if self.config.log_content:
+            asked, answered = orjson.dumps(ex.client_messages).decode(), orjson.dumps(client.message()).decode()
+            content_log.info("session %s: %s -> %s", ex.session.session_id, asked, answered)
+        transcript = ex.engine_messages if ex.engine_messages != conversation else None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.sessions.save(pipe, ex.session, conversation, transcript)
+            await self.health.execute(pipe, "session")

@@ -1,0 +1,271 @@
+"""The round core: what one round of a session decides and records. Pure: no I/O.
+
+The live gateway (gateway.coordinator, gateway.rounds) and the simulator
+(planner.simulator) both run every round through this module, so a simulated result
+is a result of the live code. Events in, decisions out:
+
+* :meth:`RoundCore.bind` - AMPD step 1: the decode worker a session's round runs on
+  (kept while it serves, else bound by memory, gateway.binding);
+* :meth:`RoundCore.plan` - the round's prefill task, its route (the policy: AMPD's
+  Alg. 1 or a baseline, gateway.policies) and its queue estimate (Eq. 1-2's t_pre on
+  the routed worker, what that worker's prefill queue then holds);
+* :meth:`RoundCore.pick` - which queued task a worker runs next (Alg. 2 or FIFO);
+* :meth:`RoundCore.close` - what a finished round changes: the session's state, the
+  observations for the windowed TTFT/ITL statistics, and the round's record.
+
+State is plain frozen dataclasses the callers keep where they keep things (Redis and
+the replica's memory live; the simulation's memory simulated).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from gateway.binding import DecodeCandidate, choose_decode_worker
+from gateway.policies import Policy, pick, route
+from gateway.reordering import Decision, QueuedTask
+from gateway.routing import PrefillTask, Route, RouteContext, WorkerView, local_compute, remote_compute
+from perfmodel.profile import Profile
+from perfmodel.slo import SLO
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """What the engines hold of one session, as routing needs it."""
+
+    decode_worker: str  # the worker bound to the session: it holds its KV and decodes its rounds
+    l_hist: int = 0  # tokens of the session that worker holds (prompt + output so far)
+    prefill_worker: str = ""  # the prefill worker of its last remote round ...
+    prefill_cached: int = 0  # ... and the tokens of it in that worker's prefix cache
+    rounds: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker a round could run on: who it is and what its profile predicts."""
+
+    worker_id: str
+    profile: Profile
+    speed: float = 1.0  # a GPU-free worker may run this many times faster than the GPU it models
+
+
+@dataclass(frozen=True)
+class Signals:
+    """The load signals read when a round starts: estimated seconds of prefill queued per
+    worker, and windowed means per (series, worker) (gateway.stats; series below)."""
+
+    queue_costs: Mapping[str, float]
+    means: Mapping[tuple[str, str], float]
+
+    def queue_cost(self, worker_id: str) -> float:
+        # A worker that (re)joined since the signals were read has no queue yet.
+        return max(0.0, self.queue_costs.get(worker_id, 0.0))
+
+
+# The windowed statistics' series (AMPD section 3: per-worker TTFT and ITL over the window).
+TTFT_REMOTE = "ttft"  # per prefill worker, of remote rounds
+TTFT_LOCAL = "ttft_local"  # per decode worker, of local rounds
+ITL = "itl"  # per decode worker, (sum of gaps, number of gaps): a mean over tokens
+
+
+def signal_series(worker_ids: Sequence[str]) -> list[tuple[str, str]]:
+    """The (series, worker) means routing reads for these candidate workers."""
+    return [(series, w) for w in worker_ids for series in (ITL, TTFT_REMOTE)]
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    task: PrefillTask
+    route: Route
+    estimate_s: float  # t_pre on the routed worker, wall clock: what its prefill queue holds for it
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    state: SessionState
+    moved: bool  # newly (re)bound: its KV has to reach the worker (gateway.binding.Arrivals)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What a round's engines did, measured by the caller's clock (wall or virtual)."""
+
+    route: Literal["local", "remote"]  # as run: a remote prefill that failed ran locally
+    decode_worker: str  # as run: a stream that migrated ended on another worker
+    ttft_s: float | None  # None: no token came (a hidden tool call's round that broke)
+    itl_total_s: float  # sum of the round's inter-token gaps
+    itl_count: int
+    prompt_tokens: int
+    completion_tokens: int
+    queue_wait_s: float = 0.0
+    prefill_s: float | None = None  # from the round's start until its prefill was over
+    itl_p95_s: float | None = None
+    migrations: int = 0
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return self.itl_total_s / self.itl_count if self.itl_count else None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One sample for the windowed statistics: (series, worker, sum, count)."""
+
+    series: str
+    worker_id: str
+    total: float
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A finished round, as ``GET /v1/sessions/{id}`` lists it and reports aggregate it."""
+
+    session_id: str
+    round: int  # 1-based, within the session
+    kind: Literal["initial", "incremental"]
+    route: Literal["local", "remote"]
+    reason: str
+    queued_on: str  # the worker whose prefill queue it waited in (the route as planned)
+    prefill_worker: str | None  # remote rounds
+    decode_worker: str
+    l_hist: int
+    l_incr: int
+    queue_wait_s: float
+    ttft_s: float | None
+    prefill_s: float | None
+    mean_itl_s: float | None
+    p95_itl_s: float | None
+    completion_tokens: int
+    started_at: float
+    migrations: int
+
+    @property
+    def incremental(self) -> bool:
+        return self.kind == "incremental"
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    state: SessionState
+    observations: tuple[Observation, ...]
+    record: RoundRecord
+
+
+class RoundCore:
+    """One policy's decisions over rounds; holds only its configuration and its random stream."""
+
+    def __init__(
+        self, policy: Policy, alpha: float = 0.9, beta: float = 0.85, window: int = 3, rng: random.Random | None = None
+    ) -> None:
+        self.policy, self.alpha, self.beta, self.window = policy, alpha, beta, window
+        self.rng = rng or random.Random()
+
+    # -- a round begins ------------------------------------------------------------------
+    def bind(
+        self, state: SessionState | None, decoders: Sequence[DecodeCandidate], keeps_history: bool = True
+    ) -> Bound:
+        """The session on a decode worker that serves: its own while it is among
+        ``decoders`` (the workers taking new rounds), else the least loaded by memory.
+        A session that moves starts over there, and one whose request does not continue
+        what its worker holds (``keeps_history`` false: the client rewrote its history)
+        has nothing cached either: l_hist 0."""
+        if state is not None and any(c.worker_id == state.decode_worker for c in decoders):
+            return Bound(state if keeps_history else replace(state, l_hist=0), moved=False)
+        worker_id = choose_decode_worker(decoders)
+        if state is None:
+            return Bound(SessionState(worker_id), moved=True)
+        return Bound(replace(state, decode_worker=worker_id, l_hist=0), moved=True)
+
+    def plan(
+        self,
+        state: SessionState,
+        task_id: str,
+        l_total: int,
+        created_at: float,
+        decode: Candidate,
+        prefills: Sequence[Candidate],
+        signals: Signals,
+        slo: SLO,
+    ) -> RoundPlan:
+        """The round's prefill task, where it runs, and what it adds to that worker's queue.
+        ``decode`` is the session's worker; ``prefills`` the prefill workers of its model."""
+        task = PrefillTask(task_id, min(state.l_hist, l_total - 1), l_total, created_at)
+        decode_view = WorkerView(
+            decode.worker_id, decode.profile, decode.speed, queue_cost=signals.queue_cost(decode.worker_id),
+            windowed_itl=signals.means.get((ITL, decode.worker_id)),
+        )  # fmt: skip
+        prefill_views = []
+        if self.policy.uses_prefill_workers:
+            prefill_views = [
+                WorkerView(
+                    p.worker_id,
+                    p.profile,
+                    p.speed,
+                    queue_cost=signals.queue_cost(p.worker_id),
+                    windowed_ttft=signals.means.get((TTFT_REMOTE, p.worker_id)),
+                    cached_tokens=state.prefill_cached if p.worker_id == state.prefill_worker else 0,
+                )  # fmt: skip
+                for p in prefills
+                if p.worker_id != decode.worker_id
+            ]
+        ctx = RouteContext(task, decode_view, prefill_views, slo, self.alpha, self.beta, self.rng)
+        chosen = route(self.policy, ctx)
+        if chosen.kind == "local":
+            estimate = local_compute(task, decode_view)
+        else:
+            estimate = remote_compute(task, next(v for v in prefill_views if v.worker_id == chosen.worker_id))
+        return RoundPlan(task, chosen, estimate)
+
+    # -- a worker's prefill queue dispatches ------------------------------------------------
+    @property
+    def window_size(self) -> int:
+        """How many head tasks of a queue a dispatch looks at."""
+        return self.policy.window(self.window)
+
+    def pick(self, window: Sequence[QueuedTask], now: float) -> Decision:
+        """Which of the queue's head ``window`` runs next (Alg. 2 for AMPD), as an order."""
+        return pick(self.policy, window, now, self.window)
+
+    # -- a round ends ------------------------------------------------------------------------
+    def close(self, session_id: str, state: SessionState, plan: RoundPlan, result: RoundResult) -> Closed:
+        """What the round changes: the worker now holds its prompt and output; a remote
+        round leaves its prompt in its prefill worker's cache; its TTFT and gaps go to
+        the windowed statistics of the workers that served it."""
+        task, remote = plan.task, result.route == "remote"
+        after = SessionState(
+            decode_worker=result.decode_worker,
+            l_hist=result.prompt_tokens + result.completion_tokens,
+            prefill_worker=plan.route.worker_id if remote else state.prefill_worker,
+            prefill_cached=task.l_total if remote else state.prefill_cached,
+            rounds=state.rounds + 1,
+        )
+        ttft_at = (TTFT_REMOTE, plan.route.worker_id) if remote else (TTFT_LOCAL, result.decode_worker)
+        observations = (
+            Observation(*ttft_at, result.ttft_s or 0.0, 0 if result.ttft_s is None else 1),
+            Observation(ITL, result.decode_worker, result.itl_total_s, result.itl_count),
+        )
+        record = RoundRecord(
+            session_id=session_id,
+            round=after.rounds,
+            kind="incremental" if task.incremental else "initial",
+            route=result.route,
+            reason=plan.route.reason,
+            queued_on=plan.route.worker_id,
+            prefill_worker=plan.route.worker_id if remote else None,
+            decode_worker=result.decode_worker,
+            l_hist=task.l_hist,
+            l_incr=task.l_incr,
+            queue_wait_s=result.queue_wait_s,
+            ttft_s=result.ttft_s,
+            prefill_s=result.prefill_s,
+            mean_itl_s=result.mean_itl_s,
+            p95_itl_s=result.itl_p95_s,
+            completion_tokens=result.completion_tokens,
+            started_at=task.created_at,
+            migrations=result.migrations,
+        )
+        return Closed(after, tuple(o for o in observations if o.count > 0), record)

@@ -1,0 +1,277 @@
+"""Running one round over the engines: the I/O shell around the round core.
+
+The core (gateway.core) decides where a round's prefill runs and what the finished
+round changes; this module does what that takes: it binds the session through the
+worker pool, waits in the routed worker's prefill queue (gateway.prefill_queue, Alg. 2),
+runs vLLM's hand-off (remote: the prefill worker, then the decode worker with the KV
+transfer params; local: the decode worker alone), relays the decode stream while
+measuring it, moves a stream whose decode worker dies (gateway.migration), and writes
+what the core says the round changed: the session's state, the windowed statistics,
+the round's record and spans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from gateway.api import APIError
+from gateway.core import Bound, Candidate, RoundCore, RoundPlan, RoundRecord, RoundResult, SessionState, Signals
+from gateway.exchange import Exchange
+from gateway.metrics import GatewayMetrics
+from gateway.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
+from gateway.outage import RedisHealth
+from gateway.pool import LiveWorker, WorkerPool
+from gateway.prefill_queue import PrefillQueues, QueueFull
+from gateway.sessions import SessionStore
+from gateway.stats import WindowedStats
+from gateway.tool_loop import ClientView
+from gateway.tracing import RoundTimes, RoundTracer
+from gateway.upstream import EngineClient, Reply, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """One round in flight: the core's plan and what running it has done so far."""
+
+    plan: RoundPlan
+    decode: LiveWorker  # the worker decoding it now (another one after a migration)
+    arriving: int = 0  # prompt tokens expected at ``decode``, newly bound (gateway.binding.Arrivals)
+    migrations: int = 0
+    times: RoundTimes = field(default_factory=lambda: RoundTimes(time.time()))
+    route: Literal["local", "remote"] = field(init=False)  # as run: a remote prefill that fails runs locally
+
+    def __post_init__(self) -> None:
+        self.route = self.plan.route.kind
+
+
+class Holds:
+    """What a running round holds, each let go exactly once, at the latest when it ends:
+    its prefill slot (until its prefill is over) and its arriving tokens (until its KV
+    reaches the decode worker)."""
+
+    def __init__(self, queues: PrefillQueues, pool: WorkerPool, r: Round) -> None:
+        self.queues, self.pool, self.r = queues, pool, r
+        self.slot: str | None = None  # the worker whose prefill slot the round holds
+
+    def prefill_over(self) -> None:
+        if self.slot is not None:
+            self.queues.release(self.slot, self.r.plan.task.task_id)
+            self.slot = None
+
+    def landed(self) -> None:
+        if self.r.arriving:
+            self.pool.arrivals.landed(self.r.decode.info.worker_id, self.r.arriving)
+            self.r.arriving = 0
+
+    async def __aenter__(self) -> Holds:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.prefill_over()
+        self.landed()
+
+
+class RoundRunner:
+    def __init__(
+        self,
+        core: RoundCore,
+        pool: WorkerPool,
+        queues: PrefillQueues,
+        client: EngineClient,
+        metrics: GatewayMetrics,
+        migration_limit: int,
+        recorder: RoundRecorder,
+    ) -> None:
+        self.core, self.pool, self.queues, self.client, self.metrics = core, pool, queues, client, metrics
+        self.migration_limit, self.recorder = migration_limit, recorder
+
+    # -- before the round: binding and the plan -------------------------------------------
+    def bind(self, state: SessionState | None, model: str, l_total: int, keeps_history: bool = True) -> Bound:
+        """The session's decode worker (gateway.core.RoundCore.bind); a newly bound one
+        expects the round's prompt. ``ValueError``: no decode worker is left."""
+        bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history)
+        if bound.moved:
+            self.pool.arrivals.expect(bound.state.decode_worker, l_total)
+        return bound
+
+    def plan(self, ex: Exchange, bound: Bound, l_total: int, created_at: float, signals: Signals) -> Round:
+        """The core's plan for the session's next round, on the workers as the pool sees them."""
+        pool, model = self.pool, ex.body["model"]
+        decode = pool.get(bound.state.decode_worker)
+        if decode is None:
+            raise APIError(503, f"decode worker {bound.state.decode_worker} left the pool", code="no_worker")
+        prefills = [_candidate(p) for p in pool.prefillers(model, exclude=decode.info.worker_id)]
+        started = time.perf_counter()
+        plan = self.core.plan(
+            bound.state, uuid.uuid4().hex, l_total, created_at, _candidate(decode), prefills, signals, ex.slo
+        )
+        self.metrics.decision.observe(time.perf_counter() - started)
+        self.metrics.routes.labels(plan.route.kind, plan.route.reason).inc()
+        return Round(plan, decode, arriving=l_total if bound.moved else 0)
+
+    # -- the round ----------------------------------------------------------------------
+    async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
+        """Queue, prefill and decode one round; yields what the client gets of it."""
+        plan, times = r.plan, r.times
+        async with Holds(self.queues, self.pool, r) as holds:
+            try:
+                dispatched = await self.queues.submit(plan.route.worker_id, plan.task, plan.estimate_s, ex.slo.ttft_s)
+            except QueueFull as exc:
+                raise APIError(429, str(exc), code="queue_full") from exc
+            holds.slot = plan.route.worker_id
+            times.queued_s, times.dispatched_at = dispatched.queued_s, time.time()
+            self.metrics.queue_wait.observe(dispatched.queued_s)
+            request_id = uuid.uuid4().hex
+            body = ex.engine_body()
+            if r.route == "remote":
+                body = await self._prefill(r, body, request_id)
+                holds.prefill_over()
+            times.decode_sent_at = time.time()
+            async for events in self._decode(ex, r, body, request_id, reply, view):
+                yield events
+                holds.landed()
+                holds.prefill_over()  # the first token is out: a local prefill is over
+            holds.prefill_over()  # nothing was relayed this round (a hidden tool call)
+            await self.recorder.record(ex, r, reply)
+
+    async def _prefill(self, r: Round, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        """vLLM's hand-off, first half: the body for the decode worker, with the KV transfer
+        params; a prefill worker that fails or is gone leaves the round to prefill locally."""
+        worker_id = r.plan.route.worker_id
+        prefill = self.pool.get(worker_id)
+        try:
+            if prefill is None:
+                raise UpstreamError(f"prefill worker {worker_id} left the pool")
+            params = await self.client.prefill(prefill.info.url, body, request_id)
+        except UpstreamError as exc:
+            if 400 <= exc.status < 500:
+                raise
+            log.warning("remote prefill on %s failed (%s); prefilling locally", worker_id, exc)
+            if exc.lost:  # no new round goes there until it answers a scrape again
+                self.pool.forget(worker_id)
+            self.metrics.routes.labels("local", "fallback").inc()
+            r.route = "local"
+            return body
+        r.times.prefilled_at = time.time()
+        return dict(body, kv_transfer_params=params)
+
+    async def _decode(
+        self, ex: Exchange, r: Round, body: dict[str, Any], request_id: str, reply: Reply, view: ClientView | None
+    ) -> AsyncIterator[bytes]:
+        """The round's decode stream; when its worker is lost mid-stream, the stream goes on
+        on another decode worker (gateway.migration), up to the migration limit."""
+        transform: Transform | None = view
+        leg, limit = body, self.migration_limit
+        while True:
+            try:
+                async for events in self.client.stream(
+                    r.decode.info.url, leg, request_id, reply, ex.wants_usage, transform
+                ):
+                    yield events
+                break
+            except UpstreamError as exc:
+                if not exc.lost or not resumable(reply):
+                    raise
+                if r.migrations >= limit:
+                    self.metrics.migrations.labels("refused").inc()
+                    raise UpstreamError(f"{exc}; not moved: migration limit {limit}") from exc
+                leg, transform = await self._migrate(ex, r, body, reply, view)
+                request_id = uuid.uuid4().hex
+        if r.migrations and reply.usage is not None:
+            reply.usage = round_usage(reply.usage, r.plan.task.l_total)
+
+    async def _migrate(
+        self, ex: Exchange, r: Round, body: dict[str, Any], reply: Reply, view: ClientView | None
+    ) -> tuple[dict[str, Any], Transform | None]:
+        """Re-bind the session off its lost decode worker; the request and chunk rewriter
+        that continue the round there."""
+        lost, model, l_total = r.decode.info.worker_id, ex.body["model"], r.plan.task.l_total
+        self.pool.forget(lost)
+        try:
+            bound = self.bind(ex.session.state, model, l_total)
+        except ValueError as exc:
+            raise UpstreamError(f"decode worker {lost} was lost and no other is left", 503) from exc
+        ex.rebound(bound)
+        r.decode, r.arriving, r.migrations = self.pool.workers[bound.state.decode_worker], l_total, r.migrations + 1
+        leg = continuation_body(body, reply)
+        if reply.content:
+            url, tools = r.decode.info.url, ex.engine_tools
+            prompt = await self.client.tokenize(url, model, leg["messages"], tools, continue_final_message=True)
+            leg = with_tokens_left(leg, prompt - l_total)
+        self.metrics.migrations.labels("moved").inc()
+        log.warning("session %s: decode worker %s lost mid-stream, continuing on %s", ex.session.session_id, lost,
+                    bound.state.decode_worker)  # fmt: skip
+        if reply.head is None:  # nothing reached the client: the round simply starts over
+            return leg, view
+        return leg, Continued(reply.head, l_total, ex.wants_usage, view)
+
+
+class RoundRecorder:
+    """After a round: what the core says it changed, written where it is kept."""
+
+    def __init__(
+        self,
+        core: RoundCore,
+        redis: aioredis.Redis,
+        stats: WindowedStats,
+        sessions: SessionStore,
+        tracer: RoundTracer,
+        metrics: GatewayMetrics,
+        health: RedisHealth,
+    ) -> None:
+        self.core, self.redis, self.stats, self.sessions = core, redis, stats, sessions
+        self.tracer, self.metrics, self.health = tracer, metrics, health
+
+    async def record(self, ex: Exchange, r: Round, reply: Reply) -> None:
+        """What the core says the round changed: the session's state, the windowed
+        statistics, the round's record (``GET /v1/sessions/{id}``) and its spans."""
+        session, task, times, usage = ex.session, r.plan.task, r.times, reply.usage or {}
+        first = reply.first_token_at
+        prefilled = times.prefilled_at if r.route == "remote" else first
+        result = RoundResult(
+            route=r.route,
+            decode_worker=r.decode.info.worker_id,
+            ttft_s=reply.ttft_s,
+            itl_total_s=sum(reply.itl),
+            itl_count=len(reply.itl),
+            prompt_tokens=int(usage.get("prompt_tokens", task.l_total)),
+            completion_tokens=int(usage.get("completion_tokens", 0)),
+            queue_wait_s=times.queued_s,
+            prefill_s=None if prefilled is None else prefilled - task.created_at,
+            itl_p95_s=reply.p95_itl_s,
+            migrations=r.migrations,
+        )
+        closed = self.core.close(session.session_id, session.state, r.plan, result)
+        session.state = closed.state
+        self._trace(ex, r, reply, closed.record)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.stats.record(pipe, closed.observations)
+            self.sessions.record_round(pipe, session, asdict(closed.record))
+            await self.health.execute(pipe, "round record")
+        if reply.ttft_s is not None:
+            self.metrics.ttft.labels(closed.record.kind).observe(reply.ttft_s)
+        if reply.mean_itl_s is not None:
+            self.metrics.itl.observe(reply.mean_itl_s)
+
+    def _trace(self, ex: Exchange, r: Round, reply: Reply, record: RoundRecord) -> None:
+        """The round's spans (gateway.tracing), under the session's span."""
+        session = ex.session
+        end = reply.last_token_at or time.time()
+        first = reply.first_token_at or end
+        if not session.trace_id:
+            started = session.created or r.plan.task.created_at
+            session.trace_id, session.span_id = self.tracer.session(session.session_id, session.scope, started, end)
+        self.tracer.round((session.trace_id, session.span_id), record, r.times, first, end)
+
+
+def _candidate(worker: LiveWorker) -> Candidate:
+    return Candidate(worker.info.worker_id, worker.info.profile, worker.info.speed)

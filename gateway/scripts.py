@@ -1,0 +1,86 @@
+"""The gateway's Redis scripts, in one place: each runs as one atomic round trip.
+
+Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica id):
+
+* ``{p}:pq:{w}`` - a worker's prefill queue: task ids, head first (gateway.prefill_queue)
+* ``{p}:task:{id}`` - hash: created, enqueued, estimate, ttft_thres, postponed, incremental, owner
+* ``{p}:pqcost:{w}`` - estimated seconds of prefill queued (Eq. 1-2's queue term)
+* ``{p}:inflight:{w}`` - task ids holding a prefill slot, scored by lease expiry (gateway.leases)
+* ``{p}:replica:{r}`` and channel ``{p}:ready:{r}`` - a replica's liveness and its dispatch
+  notices (gateway.replicas)
+* ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
+"""
+
+from __future__ import annotations
+
+# Enqueue a task; if it is alone in the queue and a slot is free, dispatch it at once
+# (any policy's choice over a window of one). KEYS: task, queue, cost, inflight. ARGV:
+# task id, ttl, estimate, max queue, now, slots, lease end, then field/value pairs.
+# Returns -1 (queue full, nothing changed), 1 (queued) or 2 (dispatched).
+ENQUEUE = """
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -1 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[5])
+if redis.call('LLEN', KEYS[2]) == 0 and redis.call('ZCARD', KEYS[4]) < tonumber(ARGV[6]) then
+  redis.call('ZADD', KEYS[4], ARGV[7], ARGV[1])
+  return 2
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('INCRBYFLOAT', KEYS[3], ARGV[3])
+return 1
+"""
+
+# Drop lapsed leases, count slots in use, read the head window. KEYS: inflight, queue.
+# ARGV: now, window size, task key prefix. Returns busy slots, then (id, fields) pairs.
+PEEK = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local busy = redis.call('ZCARD', KEYS[1])
+local ids = redis.call('LRANGE', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+local out = {busy}
+for _, id in ipairs(ids) do
+  table.insert(out, id)
+  table.insert(out, redis.call('HGETALL', ARGV[3] .. id))
+end
+return out
+"""
+
+# Apply a dispatch decision, if the head window and the free slot it was made on still
+# hold. KEYS: inflight, queue, cost. ARGV: now, slots, lease end, chosen, its estimate,
+# task key prefix, window size n, the n window ids as seen, then the new order of the
+# rest, then "|" and the ids whose postponement counters go up. Returns 1 (applied),
+# 0 (no slot free) or -1 (the window changed).
+COMMIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+local n = tonumber(ARGV[7])
+local head = redis.call('LRANGE', KEYS[2], 0, n - 1)
+if #head ~= n then return -1 end
+for i = 1, n do if head[i] ~= ARGV[7 + i] then return -1 end end
+redis.call('LTRIM', KEYS[2], n, -1)
+local i = 8 + n
+local rest = {}
+while ARGV[i] ~= '|' do table.insert(rest, ARGV[i]); i = i + 1 end
+for j = #rest, 1, -1 do redis.call('LPUSH', KEYS[2], rest[j]) end
+for j = i + 1, #ARGV do redis.call('HINCRBY', ARGV[6] .. ARGV[j], 'postponed', 1) end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+redis.call('INCRBYFLOAT', KEYS[3], -tonumber(ARGV[5]))
+return 1
+"""
+
+# Windowed means. ARGV: key prefix, first second, window, then (series, worker) pairs;
+# returns sum, count per pair.
+MEANS = """
+local out = {}
+local first, window = tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 4, #ARGV, 2 do
+  local total, count = 0, 0
+  for s = first, first + window - 1 do
+    local v = redis.call('HMGET', ARGV[1] .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
+    if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
+  end
+  table.insert(out, tostring(total))
+  table.insert(out, count)
+end
+return out
+"""
