@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.bench.commands import bench_app
-from ampd.planning import plan_command, simulate_command, trace_app
+from ampd.planning import ItlRuleOption, PolicyOption, plan_command, simulate_command, trace_app
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from workers.registry import reachable_host
@@ -50,6 +50,9 @@ def worker_sim(
     num_blocks: Annotated[int, typer.Option(help="KV blocks; 0 = from the profile's memory model")] = 0,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
+    long_prefill_token_threshold: Annotated[
+        int, typer.Option(help="a request prefills at most this many tokens a step (vLLM's); 0: no cap")
+    ] = 0,
     enable_prefix_caching: bool = True,
     default_output_tokens: Annotated[int, typer.Option(help="reply length when no script sets one")] = 32,
     enable_prompt_tokens_details: bool = False,
@@ -81,6 +84,7 @@ def worker_sim(
             num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching,
         ),
         default_output_tokens=default_output_tokens,
@@ -156,9 +160,7 @@ def gateway(
     host: str = "127.0.0.1",
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
     redis_prefix: str = "ampd",
-    policy: Annotated[
-        str, typer.Option(help="ampd, disagg, coloc, continuum, ampd-routing-only, ampd-reorder-only")
-    ] = "ampd",
+    policy: PolicyOption = "ampd",
     alpha: float = 0.9,
     beta: float = 0.85,
     reorder_window: int = 3,
@@ -167,6 +169,7 @@ def gateway(
     ] = None,
     itl_slo: Annotated[float | None, typer.Option(help="ITL threshold in seconds (default: scale x unloaded)")] = None,
     slo_scale: float = 5.0,
+    itl_slo_metric: ItlRuleOption = "mean",
     prefill_slots: int = 1,
     max_queue: int = 1024,
     api_key: Annotated[
@@ -214,6 +217,7 @@ def gateway(
         ttft_slo_s=ttft_slo,
         itl_slo_s=itl_slo,
         slo_scale=slo_scale,
+        itl_slo_metric=itl_slo_metric,
         prefill_slots=prefill_slots,
         max_queue=max_queue,
         api_keys=tuple(api_key or ()),

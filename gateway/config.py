@@ -8,6 +8,7 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.policies import POLICIES
+from perfmodel.slo import ItlRule
 from tools_sandbox.registry import TOOLS
 from workers.registry import Role
 
@@ -38,6 +39,10 @@ class GatewayConfig(BaseModel):
     ttft_slo_s: float | None = Field(default=None, gt=0, description="default: scale x unloaded TTFT")
     itl_slo_s: float | None = Field(default=None, gt=0, description="default: scale x unloaded ITL")
     slo_scale: float = Field(default=5.0, gt=0)
+    itl_slo_metric: ItlRule = Field(
+        default="mean",
+        description="how a round's ITL meets its SLO (mean, p95 or max gap); tail-aware policies read it",
+    )
     routing_seed: int | None = None
 
     prefill_slots: int = Field(default=1, ge=1, description="prefill tasks in flight per worker")

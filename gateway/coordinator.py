@@ -63,13 +63,9 @@ class Gateway:
         )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
         self.client = EngineClient(config.request_timeout_s)
-        core = RoundCore(
-            POLICIES[config.policy],
-            config.alpha,
-            config.beta,
-            config.reorder_window,
-            random.Random(config.routing_seed),
-        )
+        rng = random.Random(config.routing_seed)
+        policy = POLICIES[config.policy]
+        core = RoundCore(policy, config.alpha, config.beta, config.reorder_window, rng, config.itl_slo_metric)
         self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
         self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
         self.queues = PrefillQueues(
@@ -215,10 +211,10 @@ class Gateway:
         raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
 
     async def _signals(self, model: str) -> Signals:
-        """Queued prefill seconds and windowed TTFT/ITL of every worker a round of ``model`` could use."""
+        """Queued prefill seconds and tokens, and windowed TTFT/ITL, of every worker a round of ``model`` could use."""
         ids = sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
-        costs, means = await asyncio.gather(self.queues.queue_costs(ids), self.stats.means(signal_series(ids)))
-        return Signals(costs, means)
+        (costs, tokens), means = await asyncio.gather(self.queues.loads(ids), self.stats.means(signal_series(ids)))
+        return Signals(costs, means, tokens)
 
     # -- its rounds -------------------------------------------------------------------------
     async def converse(self, ex: Exchange, first: Round, client: Reply) -> AsyncIterator[bytes]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from gateway.binding import DecodeCandidate, choose_decode_worker
@@ -29,7 +29,7 @@ from gateway.policies import Policy, pick, route
 from gateway.reordering import Decision, QueuedTask
 from gateway.routing import PrefillTask, Route, RouteContext, WorkerView, local_compute, remote_compute
 from perfmodel.profile import Profile
-from perfmodel.slo import SLO
+from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +50,32 @@ class Candidate:
     worker_id: str
     profile: Profile
     speed: float = 1.0  # a GPU-free worker may run this many times faster than the GPU it models
+    block_size: int = 16  # tokens per KV block of its cache
+    token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
+    prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
 
 
 @dataclass(frozen=True)
 class Signals:
     """The load signals read when a round starts: estimated seconds of prefill queued per
-    worker, and windowed means per (series, worker) (gateway.stats; series below)."""
+    worker, windowed means per (series, worker) (gateway.stats; series below), and the
+    prompt tokens of the prefills queued or running per worker."""
 
     queue_costs: Mapping[str, float]
     means: Mapping[tuple[str, str], float]
+    active_tokens: Mapping[str, int] = field(default_factory=dict)
 
     def queue_cost(self, worker_id: str) -> float:
         # A worker that (re)joined since the signals were read has no queue yet.
         return max(0.0, self.queue_costs.get(worker_id, 0.0))
+
+    def view(self, worker: Candidate, **kw: float | int | None) -> WorkerView:
+        """``worker`` as routing sees it now."""
+        return WorkerView(
+            worker.worker_id, worker.profile, worker.speed, queue_cost=self.queue_cost(worker.worker_id),
+            active_tokens=max(0, self.active_tokens.get(worker.worker_id, 0)), token_budget=worker.token_budget,
+            prefill_chunk=worker.prefill_chunk, **kw,
+        )  # fmt: skip
 
 
 # The windowed statistics' series (AMPD section 3: per-worker TTFT and ITL over the window).
@@ -81,6 +94,7 @@ class RoundPlan:
     task: PrefillTask
     route: Route
     estimate_s: float  # t_pre on the routed worker, wall clock: what its prefill queue holds for it
+    tokens: int  # the prompt tokens the routed worker computes (the rest it has cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +110,12 @@ class RoundResult:
     route: Literal["local", "remote"]  # as run: a remote prefill that failed ran locally
     decode_worker: str  # as run: a stream that migrated ended on another worker
     ttft_s: float | None  # None: no token came (a hidden tool call's round that broke)
-    itl_total_s: float  # sum of the round's inter-token gaps
-    itl_count: int
+    gaps: Gaps  # its inter-token gaps
     prompt_tokens: int
     completion_tokens: int
     queue_wait_s: float = 0.0
     prefill_s: float | None = None  # from the round's start until its prefill was over
-    itl_p95_s: float | None = None
     migrations: int = 0
-
-    @property
-    def mean_itl_s(self) -> float | None:
-        return self.itl_total_s / self.itl_count if self.itl_count else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +147,8 @@ class RoundRecord:
     prefill_s: float | None
     mean_itl_s: float | None
     p95_itl_s: float | None
+    max_itl_s: float | None
+    slo_met: dict[ItlRule, bool]  # under each ITL rule (perfmodel.slo), with its TTFT
     completion_tokens: int
     started_at: float
     migrations: int
@@ -159,10 +169,16 @@ class RoundCore:
     """One policy's decisions over rounds; holds only its configuration and its random stream."""
 
     def __init__(
-        self, policy: Policy, alpha: float = 0.9, beta: float = 0.85, window: int = 3, rng: random.Random | None = None
+        self,
+        policy: Policy,
+        alpha: float = 0.9,
+        beta: float = 0.85,
+        window: int = 3,
+        rng: random.Random | None = None,
+        itl_rule: ItlRule = "mean",
     ) -> None:
         self.policy, self.alpha, self.beta, self.window = policy, alpha, beta, window
-        self.rng = rng or random.Random()
+        self.rng, self.itl_rule = rng or random.Random(), itl_rule
 
     # -- a round begins ------------------------------------------------------------------
     def bind(
@@ -194,31 +210,27 @@ class RoundCore:
         """The round's prefill task, where it runs, and what it adds to that worker's queue.
         ``decode`` is the session's worker; ``prefills`` the prefill workers of its model."""
         task = PrefillTask(task_id, min(state.l_hist, l_total - 1), l_total, created_at)
-        decode_view = WorkerView(
-            decode.worker_id, decode.profile, decode.speed, queue_cost=signals.queue_cost(decode.worker_id),
-            windowed_itl=signals.means.get((ITL, decode.worker_id)),
-        )  # fmt: skip
+        decode_view = signals.view(decode, windowed_itl=signals.means.get((ITL, decode.worker_id)))
         prefill_views = []
         if self.policy.uses_prefill_workers:
             prefill_views = [
-                WorkerView(
-                    p.worker_id,
-                    p.profile,
-                    p.speed,
-                    queue_cost=signals.queue_cost(p.worker_id),
+                signals.view(
+                    p,
                     windowed_ttft=signals.means.get((TTFT_REMOTE, p.worker_id)),
                     cached_tokens=state.prefill_cached if p.worker_id == state.prefill_worker else 0,
                 )  # fmt: skip
                 for p in prefills
                 if p.worker_id != decode.worker_id
             ]
-        ctx = RouteContext(task, decode_view, prefill_views, slo, self.alpha, self.beta, self.rng)
+        ctx = RouteContext(
+            task, decode_view, prefill_views, slo, self.alpha, self.beta, self.rng, decode.block_size, self.itl_rule
+        )
         chosen = route(self.policy, ctx)
         if chosen.kind == "local":
-            estimate = local_compute(task, decode_view)
-        else:
-            estimate = remote_compute(task, next(v for v in prefill_views if v.worker_id == chosen.worker_id))
-        return RoundPlan(task, chosen, estimate)
+            return RoundPlan(task, chosen, local_compute(task, decode_view), task.l_incr)
+        prefill = next(v for v in prefill_views if v.worker_id == chosen.worker_id)
+        cached = min(prefill.cached_tokens, l_total - 1)
+        return RoundPlan(task, chosen, remote_compute(task, prefill), l_total - cached)
 
     # -- a worker's prefill queue dispatches ------------------------------------------------
     @property
@@ -231,10 +243,11 @@ class RoundCore:
         return pick(self.policy, window, now, self.window)
 
     # -- a round ends ------------------------------------------------------------------------
-    def close(self, session_id: str, state: SessionState, plan: RoundPlan, result: RoundResult) -> Closed:
+    def close(self, session_id: str, state: SessionState, plan: RoundPlan, result: RoundResult, slo: SLO) -> Closed:
         """What the round changes: the worker now holds its prompt and output; a remote
         round leaves its prompt in its prefill worker's cache; its TTFT and gaps go to
-        the windowed statistics of the workers that served it."""
+        the windowed statistics of the workers that served it; its record says whether it
+        met ``slo`` under each ITL rule."""
         task, remote = plan.task, result.route == "remote"
         after = SessionState(
             decode_worker=result.decode_worker,
@@ -246,7 +259,7 @@ class RoundCore:
         ttft_at = (TTFT_REMOTE, plan.route.worker_id) if remote else (TTFT_LOCAL, result.decode_worker)
         observations = (
             Observation(*ttft_at, result.ttft_s or 0.0, 0 if result.ttft_s is None else 1),
-            Observation(ITL, result.decode_worker, result.itl_total_s, result.itl_count),
+            Observation(ITL, result.decode_worker, result.gaps.total_s, result.gaps.count),
         )
         record = RoundRecord(
             session_id=session_id,
@@ -262,8 +275,10 @@ class RoundCore:
             queue_wait_s=result.queue_wait_s,
             ttft_s=result.ttft_s,
             prefill_s=result.prefill_s,
-            mean_itl_s=result.mean_itl_s,
-            p95_itl_s=result.itl_p95_s,
+            mean_itl_s=result.gaps.mean_s,
+            p95_itl_s=result.gaps.p95_s,
+            max_itl_s=result.gaps.max_s,
+            slo_met={rule: slo.met(result.ttft_s, result.gaps.by(rule)) for rule in ITL_RULES},
             completion_tokens=result.completion_tokens,
             started_at=task.created_at,
             migrations=result.migrations,

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from perfmodel.slo import ITL_RULES
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
@@ -35,6 +37,13 @@ class GatewayMetrics:
             "ampd_itl_seconds", "Mean inter-token latency of a round.", buckets=LATENCY_BUCKETS, registry=r
         )
         self.routes = Counter("ampd_route", "Prefill routing decisions.", ["route", "reason"], registry=r)
+        self.slo_rounds = Counter(
+            "ampd_slo_rounds", "Rounds that met or missed their SLO, by ITL rule (mean, p95 or max gap).",
+            ["rule", "outcome"], registry=r,
+        )  # fmt: skip
+        for rule in ITL_RULES:
+            for outcome in ("met", "missed"):
+                self.slo_rounds.labels(rule, outcome)
         self.queue_wait = Histogram(
             "ampd_prefill_queue_wait_seconds",
             "Time a prefill task waited in its queue.",

@@ -1,23 +1,31 @@
 """Scheduling policies behind one switch: AMPD, its ablations, and the baselines.
 
-Every policy is a routing rule plus a queue discipline over the same engines:
-``ampd`` (Alg. 1 + Alg. 2), ``disagg`` (every prefill
-remote, FIFO: the Dynamo baseline), ``coloc`` (every prefill on the engine that
-decodes, FIFO: the vLLM baseline), ``continuum`` (colocated, a session's continuing
-rounds first: vLLM-Continuum), ``ampd-routing-only`` and ``ampd-reorder-only``.
-Pure: no I/O.
+Every policy is a routing rule plus a queue discipline over the same engines. Pure: no I/O.
+
+* ``ampd``: Alg. 1 (gateway.routing) and Alg. 2 (gateway.reordering);
+  ``ampd-routing-only`` and ``ampd-reorder-only`` keep one of the two; ``ampd-tail``
+  judges a local prefill's stall under the tail ITL rules (gateway.routing);
+* ``disagg``: every prefill remote, FIFO (Dynamo's plain disaggregation);
+* ``coloc``: every prefill on the engine that decodes, FIFO (vLLM);
+  ``continuum``: colocated, a session's continuing rounds first (vLLM-Continuum);
+* ``dynamo-conditional``: Dynamo's conditional disaggregation with its shipped default
+  policy (isl_bounding), and ``dynamo-conditional-load`` / ``dynamo-conditional-isl-or-load``
+  with its other two (gateway.conditional_disagg);
+* ``uncached-threshold``: llm-d's prefix-based P/D decider / vllm-router's uncached-token
+  threshold (gateway.uncached_threshold).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.conditional_disagg import ConditionalDisagg
 from gateway.reordering import Decision, QueuedTask, reorder
-from gateway.routing import Route, RouteContext, adaptive_route, local_cost, shortest_remote
+from gateway.routing import Route, RouteContext, adaptive_route, local_only, shortest_remote, tail_aware_route
+from gateway.uncached_threshold import UncachedThreshold
 
-Routing = Literal["adaptive", "remote", "local"]
 Queueing = Literal["fifo", "reorder", "session-priority"]
 
 SESSION_PRIORITY_WINDOW = 64  # how far down the queue a continuing round is looked for
@@ -26,7 +34,7 @@ SESSION_PRIORITY_WINDOW = 64  # how far down the queue a continuing round is loo
 @dataclass(frozen=True)
 class Policy:
     name: str
-    routing: Routing
+    rule: Callable[[RouteContext], Route]  # where a task prefills when prefill workers are there
     queueing: Queueing
     uses_prefill_workers: bool = True
 
@@ -38,23 +46,26 @@ class Policy:
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in [
-        Policy("ampd", "adaptive", "reorder"),
-        Policy("disagg", "remote", "fifo"),
-        Policy("coloc", "local", "fifo", uses_prefill_workers=False),
-        Policy("continuum", "local", "session-priority", uses_prefill_workers=False),
-        Policy("ampd-routing-only", "adaptive", "fifo"),
-        Policy("ampd-reorder-only", "remote", "reorder"),
+        Policy("ampd", adaptive_route, "reorder"),
+        Policy("disagg", shortest_remote, "fifo"),
+        Policy("coloc", local_only, "fifo", uses_prefill_workers=False),
+        Policy("continuum", local_only, "session-priority", uses_prefill_workers=False),
+        Policy("ampd-routing-only", adaptive_route, "fifo"),
+        Policy("ampd-reorder-only", shortest_remote, "reorder"),
+        Policy("ampd-tail", tail_aware_route, "reorder"),
+        Policy("dynamo-conditional", ConditionalDisagg("isl_bounding"), "fifo"),
+        Policy("dynamo-conditional-load", ConditionalDisagg("prefill_load"), "fifo"),
+        Policy("dynamo-conditional-isl-or-load", ConditionalDisagg("isl_or_load"), "fifo"),
+        Policy("uncached-threshold", UncachedThreshold(256), "fifo"),
     ]
 }
 
 
 def route(policy: Policy, ctx: RouteContext) -> Route:
     """Where ``ctx.task`` prefills. Without prefill workers every policy prefills locally."""
-    if policy.routing == "local" or not ctx.prefills or not policy.uses_prefill_workers:
-        return Route("local", ctx.decode.worker_id, "policy", local_cost(ctx.task, ctx.decode))
-    if policy.routing == "remote":
-        return shortest_remote(ctx)
-    return adaptive_route(ctx)
+    if not ctx.prefills or not policy.uses_prefill_workers:
+        return local_only(ctx)
+    return policy.rule(ctx)
 
 
 def pick(policy: Policy, window: Sequence[QueuedTask], now: float, w: int) -> Decision:

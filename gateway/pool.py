@@ -2,12 +2,14 @@
 
 Refreshed in the background: the registry's live workers plus the statically
 configured ones, each scraped (``/metrics``) for KV usage and queue lengths. A worker
-that does not answer its scrape is left out of routing and binding until it does; a
-draining one stays reachable (``get``) for the streams it serves, but is offered for
-no new session or round. A worker that vanishes from the registry while it still
-answers its scrapes stays for one heartbeat TTL: a Redis restarted empty forgets every
-worker until their next beats (gateway.outage), while a worker that leaves for good
-drains first and stops answering.
+that refuses the connection is left out of routing and binding until it answers again;
+one that answers too slowly (busy in a long step, a KV handshake, a loaded host) keeps
+its last load for SLOW_SCRAPE_GRACE_S before it is left out too. A draining one stays
+reachable (``get``) for the streams it serves, but is offered for no new session or
+round. A worker that vanishes from the registry while it still answers its scrapes
+stays for one heartbeat TTL: a Redis restarted empty forgets every worker until their
+next beats (gateway.outage), while a worker that leaves for good drains first and
+stops answering.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from perfmodel.profile import load_profile
 from workers.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
 
 log = logging.getLogger(__name__)
+# A worker whose scrape times out (an engine busy in a long step, a NIXL handshake, a loaded
+# host) keeps its last load this long; one that refuses the connection leaves at once.
+SLOW_SCRAPE_GRACE_S = HEARTBEAT_TTL_S
 
 
 @dataclass
@@ -49,6 +54,7 @@ class WorkerPool:
         self._static_infos: dict[str, WorkerInfo] = {}
         self.arrivals = Arrivals()  # bound sessions' KV no scrape shows yet (gateway.binding)
         self._registered_at: dict[str, float] = {}  # when the registry last listed each worker
+        self._scraped_at: dict[str, float] = {}  # when each worker last answered a scrape
 
     async def refresh(self) -> None:
         landed = self.arrivals.scrape_started()
@@ -71,10 +77,15 @@ class WorkerPool:
         loads = await asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True)
         fresh: dict[str, LiveWorker] = {}
         for info, load in zip(infos, loads, strict=True):
-            if isinstance(load, BaseException):
-                log.info("worker %s did not answer its scrape: %r", info.worker_id, load)
+            if not isinstance(load, BaseException):
+                fresh[info.worker_id] = LiveWorker(info, load)
+                self._scraped_at[info.worker_id] = now
                 continue
-            fresh[info.worker_id] = LiveWorker(info, load)
+            log.info("worker %s did not answer its scrape: %r", info.worker_id, load)
+            known = self.workers.get(info.worker_id)
+            slow = isinstance(load, UpstreamError) and not load.lost
+            if known is not None and slow and now - self._scraped_at.get(info.worker_id, now) < SLOW_SCRAPE_GRACE_S:
+                fresh[info.worker_id] = LiveWorker(info, known.load)  # busy, not gone: its last load stands
         self.workers = fresh
         self.arrivals.scraped(landed)
 

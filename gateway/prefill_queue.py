@@ -63,6 +63,7 @@ class PrefillQueues:
         self._peek = redis.register_script(scripts.PEEK)
         self._commit = redis.register_script(scripts.COMMIT)
         self._enqueue = redis.register_script(scripts.ENQUEUE)
+        self._loads = redis.register_script(scripts.LOADS)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.postponements = 0  # Alg. 2 postponements decided by this replica
@@ -72,6 +73,9 @@ class PrefillQueues:
 
     def _cost(self, w: str) -> str:
         return f"{self.p}:pqcost:{w}"
+
+    def _tokens(self, w: str) -> str:
+        return f"{self.p}:pqtokens:{w}"
 
     # -- lifecycle -----------------------------------------------------------------
     async def start(self) -> None:
@@ -93,17 +97,26 @@ class PrefillQueues:
         self._workers = set(worker_ids)
 
     # -- the API the request path uses ---------------------------------------------
-    async def queue_costs(self, worker_ids: Iterable[str]) -> dict[str, float]:
+    async def loads(self, worker_ids: Iterable[str]) -> tuple[dict[str, float], dict[str, int]]:
+        """Per worker: estimated seconds of prefill queued (Eq. 1-2's queue term), and the
+        prompt tokens of the prefills queued or running there."""
         ids = list(worker_ids)
+        if not ids:
+            return {}, {}
         try:
-            values = await self.redis.mget([self._cost(w) for w in ids]) if ids else []
+            flat = await self._loads(args=[self.p, time.time(), *ids])
         except REDIS_DOWN as exc:  # no queue to wait in: tasks start at once
             self.health.failed("prefill queue", exc)
-            values = [None] * len(ids)
-        return {w: max(0.0, float(v or 0.0)) for w, v in zip(ids, values, strict=True)}
+            return dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0)
+        costs = {w: max(0.0, float(c)) for w, c in zip(ids, flat[0::3], strict=True)}
+        tokens = {w: int(q) + int(r) for w, q, r in zip(ids, flat[1::3], flat[2::3], strict=True)}
+        return costs, tokens
 
-    async def submit(self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float) -> Dispatched:
-        """Queue ``task`` on ``worker_id`` and wait until it may run (its slot is then held)."""
+    async def submit(
+        self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float, tokens: int = 0
+    ) -> Dispatched:
+        """Queue ``task`` on ``worker_id`` and wait until it may run (its slot is then held).
+        ``tokens``: the prompt tokens it will compute there (the workers' load signal)."""
         waiting = self.replicas.wait(worker_id, task.task_id)
         now = waiting.enqueued
         fields = {
@@ -114,16 +127,17 @@ class PrefillQueues:
             "postponed": "0",
             "incremental": "1" if task.incremental else "0",
             "owner": self.replicas.replica_id,
+            "tokens": str(tokens),
         }
         flat = [x for pair in fields.items() for x in pair]
         keys = [self.leases.task_key(task.task_id), self._q(worker_id), self._cost(worker_id),
-                self.leases.key(worker_id)]  # fmt: skip
+                self.leases.key(worker_id), self._tokens(worker_id)]  # fmt: skip
         try:
             try:
                 outcome = await self._enqueue(
                     keys=keys,
                     args=[task.task_id, self.task_ttl_s, estimate_s, self.max_queue, now, self.slots,
-                          self.leases.expiry(now), *flat],
+                          self.leases.expiry(now), tokens, *flat],
                 )  # fmt: skip
                 if outcome == -1:
                     raise QueueFull(f"the prefill queue of {worker_id} is full ({self.max_queue})")
@@ -137,7 +151,7 @@ class PrefillQueues:
                     self.replicas.start_unqueued(task.task_id)
             return await waiting.future
         except BaseException:
-            await self._withdraw(worker_id, task.task_id, estimate_s, waiting.future)
+            await self._withdraw(worker_id, task.task_id, estimate_s, tokens, waiting.future)
             raise
         finally:
             self.replicas.waiting.pop(task.task_id, None)
@@ -219,7 +233,8 @@ class PrefillQueues:
         args = [now, self.slots, self.leases.expiry(now), chosen, record["estimate"], task_prefix, len(ids), *ids]
         args += [ids[i] for i in decision.order[1:]] + ["|"] + [ids[i] for i in decision.postponed]
         committed = await self._commit(
-            keys=[self.leases.key(worker_id), self._q(worker_id), self._cost(worker_id)], args=args
+            keys=[self.leases.key(worker_id), self._q(worker_id), self._cost(worker_id), self._tokens(worker_id)],
+            args=args,
         )
         if int(committed) == 0:
             return None  # the last slot went to someone else
@@ -240,12 +255,15 @@ class PrefillQueues:
             for task_id, record in orphans:
                 pipe.lrem(self._q(worker_id), 1, task_id)
                 pipe.incrbyfloat(self._cost(worker_id), -float(record["estimate"]))
+                pipe.decrby(self._tokens(worker_id), int(record.get("tokens", 0)))
                 pipe.delete(self.leases.task_key(task_id))
             await pipe.execute()
         log.info("dropped %d queued prefill tasks of replicas gone: %s", len(orphans), sorted(dead))
         return True
 
-    async def _withdraw(self, worker_id: str, task_id: str, estimate_s: float, future: asyncio.Future) -> None:
+    async def _withdraw(
+        self, worker_id: str, task_id: str, estimate_s: float, tokens: int, future: asyncio.Future
+    ) -> None:
         """A waiting task's client went away: take the task out of the queue, or out of
         flight if it was dispatched meanwhile."""
         with contextlib.suppress(*REDIS_DOWN):
@@ -253,6 +271,7 @@ class PrefillQueues:
             if removed:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.incrbyfloat(self._cost(worker_id), -estimate_s)
+                    pipe.decrby(self._tokens(worker_id), tokens)
                     pipe.delete(self.leases.task_key(task_id))
                     await pipe.execute()
             elif future.done() and not future.cancelled():

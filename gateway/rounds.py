@@ -34,6 +34,7 @@ from gateway.stats import WindowedStats
 from gateway.tool_loop import ClientView
 from gateway.tracing import RoundTimes, RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
+from perfmodel.slo import Gaps
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class RoundRunner:
         plan, times = r.plan, r.times
         async with Holds(self.queues, self.pool, r) as holds:
             try:
-                dispatched = await self.queues.submit(plan.route.worker_id, plan.task, plan.estimate_s, ex.slo.ttft_s)
+                dispatched = await self.queues.submit(
+                    plan.route.worker_id, plan.task, plan.estimate_s, ex.slo.ttft_s, plan.tokens
+                )
             except QueueFull as exc:
                 raise APIError(429, str(exc), code="queue_full") from exc
             holds.slot = plan.route.worker_id
@@ -241,26 +244,27 @@ class RoundRecorder:
             route=r.route,
             decode_worker=r.decode.info.worker_id,
             ttft_s=reply.ttft_s,
-            itl_total_s=sum(reply.itl),
-            itl_count=len(reply.itl),
+            gaps=Gaps.of(reply.itl),
             prompt_tokens=int(usage.get("prompt_tokens", task.l_total)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             queue_wait_s=times.queued_s,
             prefill_s=None if prefilled is None else prefilled - task.created_at,
-            itl_p95_s=reply.p95_itl_s,
             migrations=r.migrations,
         )
-        closed = self.core.close(session.session_id, session.state, r.plan, result)
+        closed = self.core.close(session.session_id, session.state, r.plan, result, ex.slo)
         session.state = closed.state
         self._trace(ex, r, reply, closed.record)
         async with self.redis.pipeline(transaction=False) as pipe:
             self.stats.record(pipe, closed.observations)
             self.sessions.record_round(pipe, session, asdict(closed.record))
             await self.health.execute(pipe, "round record")
-        if reply.ttft_s is not None:
-            self.metrics.ttft.labels(closed.record.kind).observe(reply.ttft_s)
-        if reply.mean_itl_s is not None:
-            self.metrics.itl.observe(reply.mean_itl_s)
+        record = closed.record
+        if record.ttft_s is not None:
+            self.metrics.ttft.labels(record.kind).observe(record.ttft_s)
+        if record.mean_itl_s is not None:
+            self.metrics.itl.observe(record.mean_itl_s)
+        for rule, met in record.slo_met.items():
+            self.metrics.slo_rounds.labels(rule, "met" if met else "missed").inc()
 
     def _trace(self, ex: Exchange, r: Round, reply: Reply, record: RoundRecord) -> None:
         """The round's spans (gateway.tracing), under the session's span."""
@@ -274,4 +278,5 @@ class RoundRecorder:
 
 
 def _candidate(worker: LiveWorker) -> Candidate:
-    return Candidate(worker.info.worker_id, worker.info.profile, worker.info.speed)
+    info = worker.info
+    return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk)

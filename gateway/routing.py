@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from perfmodel.profile import Profile, t_kv
-from perfmodel.slo import SLO
+from perfmodel.slo import SLO, ItlRule
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,17 @@ class WorkerView:
     windowed_itl: float | None = None
     queue_cost: float = 0.0  # estimated seconds of prefill queued on this worker (wall clock)
     cached_tokens: int = 0  # this session's tokens in this worker's prefix cache (prefill workers)
+    active_tokens: int = 0  # prompt tokens it has to compute for prefills queued or running on it
+    token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
+    prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
 
     def t_pre(self, l_hist: int, l_incr: int) -> float:
-        return self.profile.t_pre(l_hist, l_incr) / self.speed
+        return self.profile.t_pre_chunked(l_hist, l_incr, self.prefill_chunk) / self.speed
+
+    def longest_step(self, l_hist: int, l_incr: int) -> float:
+        """The longest step a prefill of ``l_incr`` tokens takes here: the stall it adds to
+        every stream decoding on this worker meanwhile."""
+        return self.profile.t_pre(l_hist, min(l_incr, self.prefill_chunk or l_incr)) / self.speed
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,22 @@ class RouteContext:
     alpha: float = 0.9  # Alg. 1's TTFT slack factor
     beta: float = 0.85  # Alg. 1's ITL slack factor
     rng: random.Random = field(default_factory=random.Random)
+    block_size: int = 16  # tokens per KV block: prefix caches hit whole blocks
+    itl_rule: ItlRule = "mean"  # how rounds are judged (perfmodel.slo): tail-aware rules read it
+
+    @property
+    def decode_cached(self) -> int:
+        """The session's tokens the decode worker's prefix cache holds for this prompt:
+        its history in whole blocks, at most all tokens but the last (as vLLM matches)."""
+        whole = self.task.l_hist // self.block_size * self.block_size
+        return min(whole, self.task.l_total - 1)
 
 
 @dataclass(frozen=True)
 class Route:
     kind: Literal["local", "remote"]
     worker_id: str
-    reason: Literal["ttft-slack", "itl-slack", "cost", "policy"]
+    reason: str  # why: ttft-slack, itl-slack or cost (Alg. 1), policy, or a production rule's (see its module)
     estimate_s: float | None = None  # Eq. 1 or 2, when it was computed
 
 
@@ -108,7 +125,7 @@ def remote_cost(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> f
     return remote_compute(task, prefill) + transfer + prefill.queue_cost
 
 
-def adaptive_route(ctx: RouteContext) -> Route:
+def adaptive_route(ctx: RouteContext, stalls: bool = False) -> Route:
     """AMPD Alg. 1.
 
     Lines 1-3 take a prefill worker with TTFT slack; the paper takes any (it shuffles).
@@ -125,6 +142,11 @@ def adaptive_route(ctx: RouteContext) -> Route:
     task herds onto the same workers, and their TTFT collapses (simulated: mean TTFT
     of "slack" rounds 9.2 s against a 5.5 s SLO). Local prefills likewise take one slot
     of d at a time, so d's ITL barely moves while its queue grows.
+
+    With ``stalls`` (``tail_aware_route``), a local prefill must also fit its longest step
+    - the stall every stream decoding on d sees meanwhile - within beta * ITL_thres, in
+    lines 4-5 and in lines 6-9 alike; the windowed mean ITL cannot see a stall that one
+    round in twenty suffers, and the tail rules judge exactly those.
     """
     task, decode, budget = ctx.task, ctx.decode, ctx.alpha * ctx.slo.ttft_s
     remote = [(remote_cost(task, p, decode), p) for p in ctx.prefills]
@@ -134,13 +156,26 @@ def adaptive_route(ctx: RouteContext) -> Route:
         cost, chosen = min(slack, key=lambda pair: pair[0])
         return Route("remote", chosen.worker_id, "ttft-slack", cost)
     local = local_cost(task, decode)
-    if (decode.windowed_itl or 0.0) <= ctx.beta * ctx.slo.itl_s and local <= budget:  # lines 4-5
+    fits = not stalls or decode.longest_step(task.l_hist, task.l_incr) <= ctx.beta * ctx.slo.itl_s
+    if fits and (decode.windowed_itl or 0.0) <= ctx.beta * ctx.slo.itl_s and local <= budget:  # lines 4-5
         return Route("local", decode.worker_id, "itl-slack", local)
-    best = Route("local", decode.worker_id, "cost", local)  # lines 6-9
+    best = Route("local", decode.worker_id, "cost", local) if fits else None  # lines 6-9
     for cost, p in remote:
-        if cost < best.estimate_s:
-            best = Route("remote", p.worker_id, "cost", cost)
+        if best is None or cost < best.estimate_s:
+            best = Route("remote", p.worker_id, "cost" if fits else "stall", cost)
+    assert best is not None  # route() sends a task with no prefill worker local before
     return best
+
+
+def tail_aware_route(ctx: RouteContext) -> Route:
+    """Alg. 1 for the ITL rule in force (``ampd-tail``): as published under the mean rule;
+    under the P95 and longest-gap rules, local prefills only where their stall fits."""
+    return adaptive_route(ctx, stalls=ctx.itl_rule != "mean")
+
+
+def local_only(ctx: RouteContext) -> Route:
+    """Every prefill on the decode worker (the colocated baselines)."""
+    return Route("local", ctx.decode.worker_id, "policy", local_cost(ctx.task, ctx.decode))
 
 
 def shortest_remote(ctx: RouteContext) -> Route:

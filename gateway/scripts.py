@@ -5,6 +5,7 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
 * ``{p}:pq:{w}`` - a worker's prefill queue: task ids, head first (gateway.prefill_queue)
 * ``{p}:task:{id}`` - hash: created, enqueued, estimate, ttft_thres, postponed, incremental, owner
 * ``{p}:pqcost:{w}`` - estimated seconds of prefill queued (Eq. 1-2's queue term)
+* ``{p}:pqtokens:{w}`` - prompt tokens the queued prefills will compute there
 * ``{p}:inflight:{w}`` - task ids holding a prefill slot, scored by lease expiry (gateway.leases)
 * ``{p}:replica:{r}`` and channel ``{p}:ready:{r}`` - a replica's liveness and its dispatch
   notices (gateway.replicas)
@@ -14,12 +15,12 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
 from __future__ import annotations
 
 # Enqueue a task; if it is alone in the queue and a slot is free, dispatch it at once
-# (any policy's choice over a window of one). KEYS: task, queue, cost, inflight. ARGV:
-# task id, ttl, estimate, max queue, now, slots, lease end, then field/value pairs.
-# Returns -1 (queue full, nothing changed), 1 (queued) or 2 (dispatched).
+# (any policy's choice over a window of one). KEYS: task, queue, cost, inflight, tokens.
+# ARGV: task id, ttl, estimate, max queue, now, slots, lease end, tokens, then the task's
+# field/value pairs. Returns -1 (queue full, nothing changed), 1 (queued) or 2 (dispatched).
 ENQUEUE = """
 if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[4]) then return -1 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 8))
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[5])
 if redis.call('LLEN', KEYS[2]) == 0 and redis.call('ZCARD', KEYS[4]) < tonumber(ARGV[6]) then
@@ -28,6 +29,7 @@ if redis.call('LLEN', KEYS[2]) == 0 and redis.call('ZCARD', KEYS[4]) < tonumber(
 end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('INCRBYFLOAT', KEYS[3], ARGV[3])
+redis.call('INCRBY', KEYS[5], ARGV[8])
 return 1
 """
 
@@ -46,7 +48,7 @@ return out
 """
 
 # Apply a dispatch decision, if the head window and the free slot it was made on still
-# hold. KEYS: inflight, queue, cost. ARGV: now, slots, lease end, chosen, its estimate,
+# hold. KEYS: inflight, queue, cost, tokens. ARGV: now, slots, lease end, chosen, its estimate,
 # task key prefix, window size n, the n window ids as seen, then the new order of the
 # rest, then "|" and the ids whose postponement counters go up. Returns 1 (applied),
 # 0 (no slot free) or -1 (the window changed).
@@ -65,7 +67,26 @@ for j = #rest, 1, -1 do redis.call('LPUSH', KEYS[2], rest[j]) end
 for j = i + 1, #ARGV do redis.call('HINCRBY', ARGV[6] .. ARGV[j], 'postponed', 1) end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('INCRBYFLOAT', KEYS[3], -tonumber(ARGV[5]))
+redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', ARGV[6] .. ARGV[4], 'tokens') or 0))
 return 1
+"""
+
+# The queue signals routing reads, per worker. ARGV: key prefix, now, then worker ids.
+# Returns, per worker: seconds of prefill queued (a string: a float), prompt tokens queued,
+# and prompt tokens of the prefills holding its slots (lapsed leases not counted).
+LOADS = """
+local out = {}
+for i = 3, #ARGV do
+  local w = ARGV[i]
+  table.insert(out, redis.call('GET', ARGV[1] .. ':pqcost:' .. w) or '0')
+  table.insert(out, tonumber(redis.call('GET', ARGV[1] .. ':pqtokens:' .. w) or 0))
+  local running = 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', ARGV[1] .. ':inflight:' .. w, ARGV[2], '+inf')) do
+    running = running + tonumber(redis.call('HGET', ARGV[1] .. ':task:' .. id, 'tokens') or 0)
+  end
+  table.insert(out, running)
+end
+return out
 """
 
 # Windowed means. ARGV: key prefix, first second, window, then (series, worker) pairs;

@@ -53,14 +53,6 @@ class Reply:
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started
 
-    @property
-    def mean_itl_s(self) -> float | None:
-        return sum(self.itl) / len(self.itl) if self.itl else None
-
-    @property
-    def p95_itl_s(self) -> float | None:
-        return sorted(self.itl)[int(0.95 * (len(self.itl) - 1))] if self.itl else None
-
     def observe(self, chunk: dict[str, Any], now: float) -> bool:
         """Take one chunk into account; False for the usage-only chunk, True otherwise."""
         if self.head is None:
@@ -214,8 +206,10 @@ class EngineClient:
                 if r.status != 200:
                     raise await _error_from(url, r)
                 return await r.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"{url} unreachable: {exc!r}") from exc
+        except TimeoutError as exc:  # it answers, but slowly: busy, not lost
+            raise UpstreamError(f"{url} did not answer within {timeout_s:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
 
     async def _post(
         self, url: str, body: dict[str, Any], request_id: str | None = None, attempts: int = 1

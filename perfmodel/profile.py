@@ -107,6 +107,13 @@ class Profile(BaseModel):
         """AMPD's T_pre(l_hist, l_incr; theta): one step prefilling l_incr tokens."""
         return self.step_time(prefills=[(l_hist, l_incr)])
 
+    def t_pre_chunked(self, l_hist: int, l_incr: int, chunk: int) -> float:
+        """T_pre of an engine that prefills at most ``chunk`` tokens of a request a step
+        (vLLM's ``long_prefill_token_threshold``; 0 = one step): the sum of its chunks."""
+        if chunk <= 0 or l_incr <= chunk:
+            return self.t_pre(l_hist, l_incr)
+        return sum(self.t_pre(l_hist + done, min(chunk, l_incr - done)) for done in range(0, l_incr, chunk))
+
     def t_dec(self, batch: int, context: int) -> float:
         """AMPD's T_dec(b; theta), with the batch's total context as a second argument."""
         if batch <= 0:

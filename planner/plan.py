@@ -9,7 +9,8 @@ other phase ample (the whole cluster), so that it neither starves nor floods the
 measured one. That gives
 
 * tau_pre(t, n, m) = P95 prefill-phase latency (queue + prefill on the prefill worker) / TTFT_thres,
-* tau_dec(t, n, m) = P95 per-round mean ITL / ITL_thres,
+* tau_dec(t, n, m) = P95 per-round ITL / ITL_thres (each round's ITL by the ITL rule in
+  force: its mean gap, its P95 gap or its longest, perfmodel.slo),
 
 normalised by their SLOs so that a prefill bottleneck and a decode bottleneck compare
 in Eq. 5's single Z (the paper leaves tau's unit open). planner.ilp then solves Eq. 5
@@ -29,7 +30,7 @@ from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Profile, load_profile
 from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
-from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, derived_slo
+from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments, solve_with_stats
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import TraceSession, subsample
@@ -116,6 +117,7 @@ def tau_options(
     capacity: Mapping[str, int],
     slo: SLO,
     progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
 ) -> tuple[list[PoolOption], list[TauSample]]:
     """tau_pre and tau_dec for every (type, degree, replicas) that leaves room for the other phase."""
     degrees = {gpu: book.feasible(gpu) for gpu in capacity}
@@ -136,8 +138,9 @@ def tau_options(
                 if progress:
                     progress(f"tau {gpu} TP={tp} x{replicas}: {len(share)} sessions")
                 one = Pool(profile, 1)
-                prefill = simulate(SimConfig(decode=ample, prefill=one, slo=slo, policy="disagg"), share)
-                decode = simulate(SimConfig(decode=one, prefill=ample, slo=slo, policy="disagg"), share)
+                measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
+                prefill = simulate(SimConfig(decode=ample, prefill=one, **measured), share)
+                decode = simulate(SimConfig(decode=one, prefill=ample, **measured), share)
                 samples += [
                     TauSample("prefill", gpu, tp, replicas, prefill),
                     TauSample("decode", gpu, tp, replicas, decode),
@@ -158,11 +161,17 @@ def _ample(book: ProfileBook, capacity: Mapping[str, int]) -> Pool:
 
 
 def simulate_deployment(
-    book: ProfileBook, deployment: Deployment, sessions: Sequence[TraceSession], slo: SLO, policy: str
+    book: ProfileBook,
+    deployment: Deployment,
+    sessions: Sequence[TraceSession],
+    slo: SLO,
+    policy: str,
+    itl_rule: ItlRule = "mean",
 ) -> SimReport:
     prefill = Pool(book.get(deployment.prefill.gpu, deployment.prefill.tp), deployment.prefill.replicas)
     decode = Pool(book.get(deployment.decode.gpu, deployment.decode.tp), deployment.decode.replicas)
-    return simulate(SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy), sessions)
+    config = SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, itl_rule=itl_rule)
+    return simulate(config, sessions)
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,7 @@ def plan(
     top: int = 3,
     candidates: int = 5,
     progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
 ) -> PlanResult:
     """Eq. 5's best ``candidates`` configurations, each then simulated whole with the
     serving policy; the best ``top`` by simulated SLO attainment come back.
@@ -209,13 +219,13 @@ def plan(
     and the whole-system simulation of a handful of candidates makes the call. The
     Eq. 5 rank stays in the result for comparison.
     """
-    options, samples = tau_options(book, sessions, capacity, slo, progress)
+    options, samples = tau_options(book, sessions, capacity, slo, progress, itl_rule)
     deployments, stats = solve_with_stats(options, capacity, top=max(top, candidates))
     simulated = []
     for rank, d in enumerate(deployments, 1):
         if progress:
             progress(f"predict P {d.prefill.tp}x{d.prefill.replicas}, D {d.decode.tp}x{d.decode.replicas}")
-        simulated.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy), rank))
+        simulated.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy, itl_rule), rank))
     return PlanResult(by_attainment(simulated)[:top], options, samples, slo, sum(stats.seconds))
 
 
@@ -227,6 +237,7 @@ def exhaustive(
     slo: SLO,
     policy: str,
     progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
 ) -> list[RankedPlan]:
     """Every feasible configuration simulated whole, best SLO attainment first (the paper's
     Table 2 check of the planner; ties go to the lower P95 TTFT)."""
@@ -234,7 +245,7 @@ def exhaustive(
     for rank, d in enumerate(enumerate_deployments(options, capacity), 1):
         if progress:
             progress(f"simulate P {d.prefill.tp}x{d.prefill.replicas}, D {d.decode.tp}x{d.decode.replicas}")
-        out.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy), rank))
+        out.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy, itl_rule), rank))
     return by_attainment(out)
 
 

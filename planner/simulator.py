@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gateway.binding import Arrivals, DecodeCandidate
 from gateway.core import (
@@ -54,7 +54,7 @@ from gateway.policies import POLICIES
 from gateway.reordering import QueuedTask
 from gateway.stats import WindowedMeans
 from perfmodel.profile import Profile, t_kv
-from perfmodel.slo import SLO
+from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
 from planner.trace import TraceSession
 from workers.sim.request import RemotePrefill, Request
 from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
@@ -90,7 +90,9 @@ class SimConfig:
     stats_window_s: int = 10
     prefill_slots: int = 1
     seed: int = 0
+    itl_rule: ItlRule = "mean"  # how rounds are judged (perfmodel.slo)
     scheduler: SchedulerConfig = SchedulerConfig()
+    decode_prefill_chunk: int = 0  # decode workers' long_prefill_token_threshold (0: no cap)
     max_decode_steps: int = 64  # fused decode steps per event; results do not depend on it
 
 
@@ -102,6 +104,7 @@ class PrefillQueue:
     tasks: list[QueuedTask] = field(default_factory=list)
     inflight: int = 0
     cost: float = 0.0  # Eq. 1-2's queue term: estimated seconds queued
+    tokens: int = 0  # prompt tokens the queued and the running prefills compute here
 
 
 @dataclass
@@ -140,8 +143,8 @@ class RoundState:
     prefill_done_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
-    gaps_s: float = 0.0
-    gaps: int = 0
+    gaps_s: float = 0.0  # their sum, as spans of token times (the mean ITL exactly as before)
+    gaps: list[float] = field(default_factory=list)  # every inter-token gap, for the tail rules
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -170,16 +173,32 @@ class SimReport(BaseModel):
     ttft: LatencySummary
     ttft_initial: LatencySummary
     ttft_incremental: LatencySummary
-    itl: LatencySummary  # of each round's mean inter-token latency
+    itl: LatencySummary  # of each round's mean inter-token gap
+    itl_p95: LatencySummary  # of each round's 95th-percentile gap
+    itl_max: LatencySummary  # of each round's longest gap
     prefill_phase: LatencySummary
     first_token_after_prefill: LatencySummary  # TTFT less the prefill phase: KV pull, admission, first step
-    slo_attainment_rounds: float  # rounds meeting both TTFT and ITL thresholds
-    slo_attainment_sessions: float  # sessions all of whose rounds did
+    itl_rule: ItlRule = "mean"  # how a round's gaps are judged (perfmodel.slo)
+    slo_attainment_rounds: float  # rounds meeting the TTFT threshold and, by the ITL rule, the ITL one
+    slo_attainment_by_rule: dict[ItlRule, float]  # the same under every ITL rule
+    slo_attainment_sessions: float  # sessions all of whose rounds did (by the ITL rule)
     local_share_incremental: float  # incremental prefills run on the decode worker
     local_share: float
     makespan_s: float
     workers: list[WorkerUsage]
     wall_s: float = 0.0
+    # (TTFT, mean, P95, longest gap) of every round, to judge the run by another SLO; not dumped.
+    round_latencies: list[tuple[float, float | None, float | None, float | None]] = Field(default=[], exclude=True)
+
+    def round_itl(self, rule: ItlRule) -> LatencySummary:
+        return {"mean": self.itl, "p95": self.itl_p95, "max": self.itl_max}[rule]
+
+    def attainment(self, slo: SLO, rule: ItlRule) -> float:
+        """The share of rounds meeting ``slo`` by ``rule``: the same run judged by another SLO.
+        (A policy whose decisions read the SLO - ampd's - would have decided differently.)"""
+        column = {"mean": 1, "p95": 2, "max": 3}[rule]
+        met = [slo.met(r[0], r[column]) for r in self.round_latencies]
+        return sum(met) / len(met) if met else 0.0
 
     @property
     def tau_prefill(self) -> float | None:
@@ -189,10 +208,10 @@ class SimReport(BaseModel):
 
     @property
     def tau_decode(self) -> float | None:
-        """The planner's tau_dec (Eq. 5): the worse of P95 per-round ITL over ITL_thres and
+        """The planner's tau_dec (Eq. 5): the worse of P95 per-round ITL (by the ITL rule) over ITL_thres and
         P95 time from prefill to first token over TTFT_thres - a decode replica whose KV
         cache is full holds first tokens back while its ITL looks fine."""
-        itl, first = self.itl.p95_s, self.first_token_after_prefill.p95_s
+        itl, first = self.round_itl(self.itl_rule).p95_s, self.first_token_after_prefill.p95_s
         if itl is None:
             return None
         return max(itl / self.itl_slo_s, (first or 0.0) / self.ttft_slo_s)
@@ -212,7 +231,8 @@ class Simulation:
     def __init__(self, config: SimConfig, sessions: Sequence[TraceSession]) -> None:
         self.config = config
         policy = POLICIES[config.policy]
-        self.core = RoundCore(policy, config.alpha, config.beta, config.window, random.Random(config.seed))
+        rng = random.Random(config.seed)
+        self.core = RoundCore(policy, config.alpha, config.beta, config.window, rng, config.itl_rule)
         self.stats = WindowedMeans(config.stats_window_s)
         self.decoders = [
             self._worker(f"decode-{i}", "decode", config.decode.profile) for i in range(config.decode.replicas)
@@ -234,9 +254,10 @@ class Simulation:
         self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (gateway.binding)
 
     def _worker(self, worker_id: str, role: str, profile: Profile) -> SimWorker:
-        return SimWorker(
-            worker_id, role, profile, Scheduler(profile, self.config.scheduler), Candidate(worker_id, profile)
-        )
+        chunk = self.config.decode_prefill_chunk if role == "decode" else 0
+        scheduler = Scheduler(profile, replace(self.config.scheduler, long_prefill_token_threshold=chunk))
+        candidate = Candidate(worker_id, profile, block_size=scheduler.kv.block_size, prefill_chunk=chunk)
+        return SimWorker(worker_id, role, profile, scheduler, candidate)
 
     def _at(self, when: float, action: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
@@ -275,16 +296,19 @@ class Simulation:
         queued = QueuedTask(task.task_id, now, plan.estimate_s, self.config.slo.ttft_s, 0, task.incremental)
         worker.queue.tasks.append(queued)
         worker.queue.cost += plan.estimate_s
+        worker.queue.tokens += plan.tokens
         self.rounds[task.task_id] = round_state
         self._dispatch(worker)
 
     def _signals(self, decode: SimWorker) -> Signals:
         """What the gateway reads from Redis at a round's start, from memory."""
         now, mean = self.now, self.stats.mean
-        costs = {w.worker_id: w.queue.cost for w in (decode, *self.prefillers)}
+        workers = (decode, *self.prefillers)
+        costs = {w.worker_id: w.queue.cost for w in workers}
+        tokens = {w.worker_id: w.queue.tokens for w in workers}
         means = {(ITL, decode.worker_id): mean(ITL, decode.worker_id, now)}
         means.update(((TTFT_REMOTE, p.worker_id), mean(TTFT_REMOTE, p.worker_id, now)) for p in self.prefillers)
-        return Signals(costs, {k: v for k, v in means.items() if v is not None})
+        return Signals(costs, {k: v for k, v in means.items() if v is not None}, tokens)
 
     def _fresh_tokens(self, session: SimSession, n: int) -> list[int]:
         """Token ids for ``n`` new tokens of ``session``. Only the session's very first token
@@ -329,8 +353,9 @@ class Simulation:
             state.dispatched_at = self.now
             self._launch(state)
 
-    def _release(self, worker: SimWorker) -> None:
+    def _release(self, worker: SimWorker, state: RoundState) -> None:
         worker.queue.inflight -= 1
+        worker.queue.tokens -= state.plan.tokens
         self._dispatch(worker)
 
     def _launch(self, state: RoundState) -> None:
@@ -418,7 +443,7 @@ class Simulation:
         """The remote prefill answered: free its slot, send the decode with the transfer params."""
         state.prefill_done_at = self.now
         self.rounds.pop(request.request_id, None)
-        self._release(prefill)
+        self._release(prefill, state)
         session = state.session
         remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held)
         decode = Request(f"{request.request_id}-d", request.prompt_token_ids, state.output_plan,
@@ -436,11 +461,12 @@ class Simulation:
                 state.arriving = 0
             if state.plan.route.kind == "local":  # the local prefill is over: free the slot
                 state.prefill_done_at = times[0]
-                self._release(decode)
+                self._release(decode, state)
             times = times[1:]
         if times:
             state.gaps_s += times[-1] - state.last_token_at
-            state.gaps += len(times)
+            state.gaps.append(times[0] - state.last_token_at)
+            state.gaps.extend(map(float.__sub__, times[1:], times[:-1]))
             state.last_token_at = times[-1]
         if finished:
             self._finish_round(state, request)
@@ -454,14 +480,13 @@ class Simulation:
             route=plan.route.kind,
             decode_worker=session.state.decode_worker,
             ttft_s=state.first_token_at - plan.task.created_at,
-            itl_total_s=state.gaps_s,
-            itl_count=state.gaps,
+            gaps=Gaps.of(state.gaps, state.gaps_s),
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
             queue_wait_s=state.dispatched_at - plan.task.created_at,
             prefill_s=state.prefill_done_at - plan.task.created_at,
         )
-        closed = self.core.close(session.trace.session_id, session.state, plan, result)
+        closed = self.core.close(session.trace.session_id, session.state, plan, result, self.config.slo)
         for o in closed.observations:
             self.stats.record(o, self.now)
         self.records.append(closed.record)
@@ -477,8 +502,8 @@ class Simulation:
 
     # -- results --------------------------------------------------------------------
     def report(self, wall_s: float = 0.0) -> SimReport:
-        records, slo = self.records, self.config.slo
-        met = [r.ttft_s <= slo.ttft_s and (r.mean_itl_s is None or r.mean_itl_s <= slo.itl_s) for r in records]
+        records, slo, rule = self.records, self.config.slo, self.config.itl_rule
+        met = [r.slo_met[rule] for r in records]
         by_session: dict[str, bool] = {}
         for record, ok in zip(records, met, strict=True):
             by_session[record.session_id] = by_session.get(record.session_id, True) and ok
@@ -500,9 +525,15 @@ class Simulation:
             ttft_initial=_summary([r.ttft_s for r in records if not r.incremental]),
             ttft_incremental=_summary([r.ttft_s for r in incremental]),
             itl=_summary([r.mean_itl_s for r in records if r.mean_itl_s is not None]),
+            itl_p95=_summary([r.p95_itl_s for r in records if r.p95_itl_s is not None]),
+            itl_max=_summary([r.max_itl_s for r in records if r.max_itl_s is not None]),
             prefill_phase=_summary([r.prefill_s for r in records]),
             first_token_after_prefill=_summary([r.ttft_s - r.prefill_s for r in records]),
+            itl_rule=rule,
             slo_attainment_rounds=sum(met) / len(met) if met else 0.0,
+            slo_attainment_by_rule={
+                r: sum(record.slo_met[r] for record in records) / len(records) if records else 0.0 for r in ITL_RULES
+            },
             slo_attainment_sessions=(
                 sum(1 for s, ok in by_session.items() if ok and s in complete) / len(self.sessions)
                 if self.sessions
@@ -523,6 +554,7 @@ class Simulation:
                 for w in self.workers.values()
             ],  # fmt: skip
             wall_s=wall_s,
+            round_latencies=[(r.ttft_s, r.mean_itl_s, r.p95_itl_s, r.max_itl_s) for r in records],
         )
 
 

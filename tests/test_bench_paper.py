@@ -9,13 +9,16 @@ import sys
 import pytest
 
 from ampd.bench.paper import (
+    BASELINES,
+    OURS,
     POLICIES,
     SENSITIVITY,
+    Cell,
     colocated_candidates,
     disaggregated_candidates,
     improvement,
     run_trace,
-    trace_slo,
+    winners,
 )
 from ampd.bench.sweep import SweepPoint
 from planner.plan import ProfileBook
@@ -31,7 +34,8 @@ def test_baselines_search_every_deployment_that_fills_the_cluster():
 
 
 def _point(workload: str, rate: float, policy: str, attainment: float) -> SweepPoint:
-    return SweepPoint(workload, rate, policy, "-", 8, attainment, attainment, None, None, None, 0.0, None, None, None)
+    return SweepPoint(workload, rate, policy, "-", 8, "mean", attainment, None, None, None, 0.0, None, None, None,
+                      None, None)  # fmt: skip
 
 
 @pytest.mark.unit
@@ -54,35 +58,54 @@ def test_improvement_is_relative_and_leaves_out_baselines_at_zero():
 
 
 @pytest.mark.unit
-def test_each_policy_runs_on_its_chosen_deployment():
+def test_winners_are_every_policy_at_the_top():
+    points = [_point("toolbench", 1.0, "ampd", 0.9), _point("toolbench", 1.0, "coloc", 0.9),
+              _point("toolbench", 1.0, "disagg", 0.5), _point("hotpotqa", 1.0, "disagg", 0.7)]  # fmt: skip
+    assert winners(points) == {("toolbench", 1.0): ["ampd", "coloc"], ("hotpotqa", 1.0): ["disagg"]}
+
+
+@pytest.mark.unit
+def test_each_policy_runs_on_its_best_deployment_in_every_cell():
     book = ProfileBook("llama-3.1-8b")
-    slo = trace_slo(book, "H100", "toolbench", 5.0)
-    points = run_trace(book, "H100", "toolbench", [0.5], sessions=20, slo=slo, seed=0)
-    by = {p.policy: p for p in points}
-    assert list(by) == list(POLICIES)
-    assert by["coloc"].deployment.startswith("D ") and by["coloc"].local_share_incremental == 1.0
-    assert by["disagg"].deployment.startswith("P ") and by["disagg"].local_share_incremental == 0.0
-    assert by["disagg"].gpus == 8 and by["coloc"].gpus == 8  # the baselines fill the cluster
-    # The ablations differ from ampd only in the technique: same (planned) deployment.
-    assert by["ampd-routing-only"].deployment == by["ampd-reorder-only"].deployment == by["ampd"].deployment
-    assert by["ampd-reorder-only"].local_share_incremental == 0.0
+    cells = [Cell("mean", 5.0), Cell("p95", 5.0), Cell("p95", 2.0)]
+    points = run_trace(book, "H100", "toolbench", [0.5], sessions=20, cells=cells, seed=0)
+    assert len(points) == len(cells) * len(POLICIES)
+    for cell in cells:
+        by = {p.policy: p for p in points if (p.itl_rule, p.slo_scale) == (cell.rule, cell.scale)}
+        assert list(by) == list(POLICIES)
+        assert by["coloc"].deployment.startswith("D ") and by["coloc"].local_share_incremental == 1.0
+        assert by["disagg"].deployment.startswith("P ") and by["disagg"].local_share_incremental == 0.0
+        assert all(p.gpus == 8 for p in by.values())  # every deployment fills the cluster
+    # Under the mean rule ampd-tail is ampd, decision for decision.
+    mean = {p.policy: p for p in points if p.itl_rule == "mean"}
+    assert (mean["ampd-tail"].slo_attainment_rounds, mean["ampd-tail"].deployment) == (
+        mean["ampd"].slo_attainment_rounds, mean["ampd"].deployment)  # fmt: skip
 
 
-def test_the_command_writes_the_comparison_and_sensitivity(tmp_path):
+def test_the_command_writes_the_grid_and_sensitivity(tmp_path):
     command = [sys.executable, "-m", "ampd.cli", "bench", "paper", "--workloads", "toolbench", "--rates",
-               "toolbench=0.3,0.6", "--model", "llama-3.1-8b", "--gpu", "H100", "--sessions", "15",
+               "toolbench=0.3,0.6", "--scales", "2,5", "--model", "llama-3.1-8b", "--gpu", "H100", "--sessions", "15",
                "--sensitivity-rate", "0.5", "--out-dir", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "paper.json").read_text())
-    assert len(data["points"]) == 2 * len(POLICIES)
-    assert {i["baseline"] for i in data["improvements"]} == {"disagg", "coloc", "continuum"}
+    assert [(c["rule"], c["scale"]) for c in data["cells"]] == [
+        ("mean", 2.0),
+        ("mean", 5.0),
+        ("p95", 2.0),
+        ("p95", 5.0),
+    ]
+    for cell in data["cells"]:
+        assert len(cell["points"]) == 2 * len(POLICIES) and len(cell["winners"]) == 2
+        assert {(i["policy"], i["baseline"]) for i in cell["improvements"]} == {(o, b) for o in OURS for b in BASELINES}
     assert len(data["sensitivity"]["points"]) == sum(len(v) for v in SENSITIVITY.values())
-    assert data["slos"]["toolbench"]["ttft_s"] > 0
+    assert data["slos"][0]["ttft_s"] > 0 and data["wall_s"] > 0
     report = (tmp_path / "paper.md").read_text()
-    assert "### toolbench, 8 GPUs" in report and "relative improvement" in report and "Sensitivity" in report
-    for png in ("attainment", "breakdown", "mix", "sensitivity"):
+    assert "## Summary" in report and "## p95 ITL, SLO scale 2" in report and "### toolbench, 8 GPUs" in report
+    assert "Sensitivity" in report
+    for png in ("attainment_mean_x2", "breakdown_p95_x5", "sensitivity"):
         assert (tmp_path / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for bad, message in ((["--workloads", "nope"], "unknown workloads"), (["--rates", "nope=1"], "bad --rates")):
+    for bad, message in ((["--workloads", "nope"], "unknown workloads"), (["--rates", "nope=1"], "bad --rates"),
+                         (["--rules", "p99"], "bad --rules")):  # fmt: skip
         wrong = subprocess.run([*command[:5], *bad], capture_output=True, text=True, timeout=60)
         assert wrong.returncode != 0 and message in wrong.stdout + wrong.stderr

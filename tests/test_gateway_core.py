@@ -7,10 +7,20 @@ import random
 import pytest
 
 from gateway.binding import Arrivals, DecodeCandidate, choose_decode_worker
+from gateway.conditional_disagg import ConditionalDisagg
 from gateway.core import Bound, Candidate, Observation, RoundCore, RoundPlan, RoundResult, SessionState, Signals
 from gateway.policies import POLICIES, pick, route
 from gateway.reordering import QueuedTask, postponed_by, reorder, satisfied
-from gateway.routing import PrefillTask, Route, RouteContext, WorkerView, adaptive_route, local_cost, remote_cost
+from gateway.routing import (
+    PrefillTask,
+    Route,
+    RouteContext,
+    WorkerView,
+    adaptive_route,
+    local_cost,
+    remote_cost,
+    tail_aware_route,
+)
 from gateway.sessions import (
     Session,
     canonical_message,
@@ -18,8 +28,9 @@ from gateway.sessions import (
     conversation_hashes,
     explicit_session_id,
 )
+from gateway.uncached_threshold import UncachedThreshold
 from perfmodel.profile import load_profile, t_kv
-from perfmodel.slo import SLO
+from perfmodel.slo import ITL_RULES, SLO, Gaps
 
 pytestmark = pytest.mark.unit
 
@@ -215,6 +226,96 @@ def test_binding_picks_the_lowest_expected_kv_usage():
         choose_decode_worker([])
 
 
+# -- today's production routers' rules, on cases from their documentation and code --------
+
+
+def task(l_hist: int, l_total: int) -> PrefillTask:
+    return PrefillTask("t", l_hist, l_total, 0.0)
+
+
+def rule_ctx(t: PrefillTask, prefills: list[WorkerView] | None = None) -> RouteContext:
+    return RouteContext(t, decode(), prefills or [prefill("p1"), prefill("p2", queue_cost=1.0)], SLO_)
+
+
+@pytest.mark.parametrize(
+    ("l_hist", "l_total", "kind"),
+    [
+        (3000, 3400, "local"),  # a tool round: 2,992 tokens cached in whole blocks, 408 new - both bounds hold
+        (0, 1000, "remote"),  # a first round: short, but all of it new (ratio 1.0 >= 0.7)
+        (7952, 10000, "remote"),  # 2,048 new tokens: not below eff_isl_threshold (strict)
+        (7968, 10000, "local"),  # 2,032 new tokens
+        (480, 1600, "remote"),  # 1,120 of 1,600 new: the ratio is exactly 0.7, not below it
+        (496, 1600, "local"),  # 1,104 of 1,600: below
+    ],
+)
+def test_dynamo_isl_bounding_bypasses_remote_prefill_below_both_bounds(l_hist, l_total, kind):
+    chosen = ConditionalDisagg("isl_bounding")(rule_ctx(task(l_hist, l_total)))
+    assert chosen.kind == kind
+    assert chosen.reason == ("short-isl" if kind == "local" else "policy")
+    if kind == "remote":  # the prefill worker its prefill router would pick: the cheapest by Eq. 2
+        assert chosen.worker_id == "p1"
+
+
+def test_dynamo_prefill_load_bypasses_when_the_chosen_prefill_worker_is_busy():
+    """busy = active prefill tokens > prefill_busy_threshold x max_num_batched_tokens, on the
+    worker the prefill router would pick; isl_or_load bypasses on either condition."""
+    fresh = task(0, 1000)  # isl_bounding alone sends it remote
+    at_capacity = [prefill("p1", active_tokens=8192), prefill("p2", queue_cost=1.0)]
+    over = [prefill("p1", active_tokens=8193), prefill("p2", queue_cost=1.0, active_tokens=0)]
+    assert ConditionalDisagg("prefill_load")(rule_ctx(fresh, at_capacity)).kind == "remote"  # not above: not busy
+    chosen = ConditionalDisagg("prefill_load")(rule_ctx(fresh, over))
+    assert (chosen.kind, chosen.reason) == ("local", "prefill-busy")  # p1 is the pick, and it is busy
+    assert ConditionalDisagg("isl_or_load")(rule_ctx(fresh, over)).kind == "local"
+    assert ConditionalDisagg("isl_or_load")(rule_ctx(task(3000, 3400), at_capacity)).reason == "short-isl"
+    assert ConditionalDisagg("isl_or_load")(rule_ctx(fresh, at_capacity)).kind == "remote"
+
+
+@pytest.mark.parametrize(
+    ("l_hist", "l_total", "threshold", "kind"),
+    [
+        (3000, 3400, 256, "remote"),  # 408 uncached tokens
+        (3000, 3248, 256, "remote"),  # exactly 256 uncached: llm-d disaggregates at the threshold
+        (3000, 3247, 256, "local"),  # 255
+        (0, 200, 256, "local"),  # a prompt below the threshold never goes remote
+        (3000, 3400, 16, "remote"),  # llm-d's sample configuration
+        (3000, 3400, 0, "local"),  # 0 disables disaggregation (llm-d v0.7+)
+    ],
+)
+def test_uncached_threshold_disaggregates_at_or_above_the_threshold(l_hist, l_total, threshold, kind):
+    chosen = UncachedThreshold(threshold)(rule_ctx(task(l_hist, l_total)))
+    assert chosen.kind == kind and (kind == "remote" or chosen.reason == "cached-prefix")
+
+
+def test_the_production_rules_see_queued_tokens_through_the_core():
+    """The load a rule reads is what the prefill queues hold for each worker."""
+    core = RoundCore(POLICIES["dynamo-conditional-load"])
+    state = SessionState("d")
+    busy = Signals({"p1": 0.0}, {}, active_tokens={"p1": 9000})
+    quiet = Signals({"p1": 0.0}, {}, active_tokens={"p1": 100})
+    assert core.plan(state, "t", 1000, 0.0, D_CANDIDATE, [P1], busy, SLO_).route.kind == "local"
+    plan = core.plan(state, "t", 1000, 0.0, D_CANDIDATE, [P1], quiet, SLO_)
+    assert plan.route.kind == "remote" and plan.tokens == 1000  # p1 computes the whole prompt
+
+
+def test_ampd_tail_keeps_a_stalling_local_prefill_off_the_decode_worker_under_the_tail_rules():
+    """d has ITL slack by its windowed mean, but prefilling 400 tokens there is one 0.3 s step:
+    every stream decoding on d stalls that long, over the 50 ms ITL threshold."""
+    idle = decode(windowed_itl=0.01)
+    busy_prefills = [prefill("p1", windowed_ttft=15.0)]  # no TTFT slack anywhere: Alg. 1 goes on to d
+    assert idle.longest_step(TASK.l_hist, TASK.l_incr) > 0.85 * SLO_.itl_s
+    for rule in ("p95", "max"):
+        ctx = RouteContext(TASK, idle, busy_prefills, SLO_, rng=random.Random(0), itl_rule=rule)
+        chosen = tail_aware_route(ctx)
+        assert (chosen.kind, chosen.reason) == ("remote", "stall")
+        assert adaptive_route(ctx).kind == "local"  # Alg. 1 as published prefills it on d
+    mean = RouteContext(TASK, idle, busy_prefills, SLO_, rng=random.Random(0), itl_rule="mean")
+    assert tail_aware_route(mean) == adaptive_route(mean)
+    # Chunked at 16 tokens a step, the same prefill's longest step fits: it stays local.
+    chunked = RouteContext(TASK, decode(windowed_itl=0.01, prefill_chunk=16), busy_prefills, SLO_, itl_rule="max")
+    assert chunked.decode.longest_step(TASK.l_hist, TASK.l_incr) <= 0.85 * SLO_.itl_s
+    assert tail_aware_route(chunked).kind == "local"
+
+
 # -- the round core: one home for what a round decides and records --------------------
 
 D_CANDIDATE, P1, P2 = Candidate("d", D_PROFILE), Candidate("p1", P_PROFILE), Candidate("p2", P_PROFILE)
@@ -250,20 +351,33 @@ def test_core_plan_routes_with_the_sessions_cache_and_estimates_what_the_queue_h
 def test_core_close_says_what_the_round_changed():
     core = RoundCore(POLICIES["ampd"])
     state = SessionState("d", l_hist=3000, rounds=1)
-    plan = RoundPlan(TASK, Route("remote", "p1", "ttft-slack", 1.2), 1.0)
-    result = RoundResult("remote", "d", ttft_s=1.5, itl_total_s=0.5, itl_count=10, prompt_tokens=3400,
-                         completion_tokens=11, queue_wait_s=0.2, prefill_s=1.1)  # fmt: skip
-    closed = core.close("s1", state, plan, result)
+    plan = RoundPlan(TASK, Route("remote", "p1", "ttft-slack", 1.2), 1.0, 3400)
+    gaps = Gaps.of([0.04] * 9 + [0.14])  # one stall among ten gaps: mean 0.05, P95 and longest 0.14
+    result = RoundResult("remote", "d", ttft_s=1.5, gaps=gaps, prompt_tokens=3400, completion_tokens=11,
+                         queue_wait_s=0.2, prefill_s=1.1)  # fmt: skip
+    closed = core.close("s1", state, plan, result, SLO_)
     assert closed.state == SessionState("d", l_hist=3411, prefill_worker="p1", prefill_cached=3400, rounds=2)
-    assert closed.observations == (Observation("ttft", "p1", 1.5, 1), Observation("itl", "d", 0.5, 10))
+    assert closed.observations == (Observation("ttft", "p1", 1.5, 1), Observation("itl", "d", gaps.total_s, 10))
     record = closed.record
     assert (record.round, record.kind, record.route, record.prefill_worker, record.queued_on) == (
         2, "incremental", "remote", "p1", "p1")  # fmt: skip
     assert record.mean_itl_s == pytest.approx(0.05) and (record.l_hist, record.l_incr) == (3000, 400)
+    assert (record.p95_itl_s, record.max_itl_s) == (0.14, 0.14)
+    assert record.slo_met == {"mean": True, "p95": False, "max": False}  # the ITL SLO is 50 ms
     # The prefill worker failed and the round ran locally: its TTFT is the decode worker's, no cache moved.
-    fallback = core.close("s1", state, plan, RoundResult("local", "d", None, 0.0, 0, 3400, 0))
+    fallback = core.close("s1", state, plan, RoundResult("local", "d", None, Gaps(), 3400, 0), SLO_)
     assert fallback.state.prefill_worker == "" and fallback.observations == ()  # no token: nothing observed
     assert fallback.record.queued_on == "p1" and fallback.record.prefill_worker is None
+    assert fallback.record.slo_met == dict.fromkeys(ITL_RULES, False)  # no token: it missed, whatever the rule
+
+
+def test_itl_rules_read_a_rounds_gaps_as_documented():
+    gaps = Gaps.of([0.01] * 19 + [0.5])  # 20 gaps: the 95th percentile by nearest rank is the 19th smallest
+    assert gaps.by("mean") == pytest.approx(0.0345) and gaps.by("p95") == 0.01 and gaps.by("max") == 0.5
+    assert Gaps.of([0.01] * 18 + [0.4, 0.5]).by("p95") == 0.4  # two stalls in twenty reach the P95
+    slo = SLO(ttft_s=1.0, itl_s=0.05)
+    assert slo.met(0.9, gaps.by("mean")) and slo.met(0.9, gaps.by("p95")) and not slo.met(0.9, gaps.by("max"))
+    assert not slo.met(1.1, 0.0) and slo.met(1.0, None)  # TTFT at the threshold meets it; no gap: TTFT alone
 
 
 def test_arrivals_count_until_a_scrape_that_began_after_landing():

@@ -50,6 +50,7 @@ class WorkerInfo:
     speed: float = 1.0
     kv_capacity_tokens: int = 0
     draining: bool = False
+    prefill_chunk: int = 0  # tokens of one request it prefills a step at most (vLLM's long_prefill_token_threshold)
 
     @property
     def decodes(self) -> bool:
@@ -75,6 +76,7 @@ class WorkerInfo:
             speed=float(fields["speed"]),
             kv_capacity_tokens=int(fields["kv_capacity_tokens"]),
             draining=fields.get("draining") == "True",
+            prefill_chunk=int(fields.get("prefill_chunk", 0)),
         )
 
 

@@ -3,6 +3,7 @@ module of ampd.bench, imported when the command runs (so ``ampd --help`` stays q
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-from ampd.planning import ModelOption, ProfilesOption, fail, ms, profile_book, slo_for
+from ampd.planning import ItlRuleOption, ModelOption, PolicyOption, ProfilesOption, fail, ms, profile_book, slo_for
 from perfmodel.catalog import GPUS
 from perfmodel.profile import DEFAULT_PROFILE
 from perfmodel.slo import DEFAULT_SCALE
@@ -112,7 +113,8 @@ def bench_run(
     rate: Annotated[
         float | None, typer.Option(help="sessions per modelled second (a given trace is re-spaced to it)")
     ] = None,
-    policy: str = "ampd",
+    policy: PolicyOption = "ampd",
+    itl_slo_metric: ItlRuleOption = "mean",
     profile: str = "llama-3.1-70b_h20_tp4",
     speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
     prefill_replicas: int = 1,
@@ -141,7 +143,7 @@ def bench_run(
     except (OSError, ValueError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
-    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url)
+    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url, itl_slo_metric)
     raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
 
 
@@ -170,6 +172,7 @@ def bench_sweep(
     profile: ProfilesOption = None,
     sessions: Annotated[int, typer.Option(help="sessions per point")] = 400,
     slo_scale: float = DEFAULT_SCALE,
+    itl_slo_metric: ItlRuleOption = "mean",
     seed: int = 0,
     out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results"),
 ) -> None:
@@ -191,11 +194,11 @@ def bench_sweep(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             points = sweep(WORKLOADS[workload], rate_list, policies.split(","), (pools[0], pools[1]), pools[2],
-                           slo, sessions, seed, progress)  # fmt: skip
+                           slo, sessions, seed, progress, itl_slo_metric)  # fmt: skip
     except ValueError as exc:
         raise fail(str(exc)) from exc
-    title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, "
-             f"SLO TTFT {ms(slo.ttft_s)} / ITL {ms(slo.itl_s)} (simulated)")  # fmt: skip
+    title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, SLO TTFT {ms(slo.ttft_s)} / "
+             f"ITL {ms(slo.itl_s)} by each round's {itl_slo_metric} gap (simulated)")  # fmt: skip
     for path in write(points, out_dir, f"sweep_{workload}", title):
         console.print(f"wrote {path}")
 
@@ -209,42 +212,61 @@ def bench_paper(
     rates: Annotated[
         list[str] | None, typer.Option(help="WORKLOAD=R1,R2,... (sessions/s) to replace a trace's default rates")
     ] = None,
+    rules: Annotated[str, typer.Option(help="ITL rules of the grid, comma-separated: mean, p95, max")] = "mean,p95",
+    scales: Annotated[str, typer.Option(help="SLO scales of the grid, comma-separated")] = "3,5",
     model: ModelOption = "llama-3.1-70b",
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
     profile: ProfilesOption = None,
     sessions: Annotated[
         int | None, typer.Option(help="sessions per point; default 300, and 800 for GAIA's minutes-long sessions")
     ] = None,
-    slo_scale: float = DEFAULT_SCALE,
     sensitivity_rate: Annotated[float, typer.Option(help="DuReader sessions/s for Figure 6; 0 skips it")] = 1.2,
+    chunk_ablation: Annotated[
+        bool, typer.Option(help="also chunked prefill on the decode workers, at ToolBench's and HotpotQA's knees")
+    ] = True,
     seed: int = 0,
     out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
 ) -> None:
-    """The paper's comparison: every policy on its best deployment at the paper's cluster sizes (simulated)."""
+    """The paper's comparison as a grid of ITL rules x SLO scales: every policy on its best deployment (simulated)."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn
 
-    from ampd.bench.paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, run_trace, sensitivity, trace_slo, write
+    from ampd.bench import paper
+    from ampd.bench.paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, Cell, run_trace, sensitivity, trace_slo
+    from ampd.bench.paper import write as write_paper
+    from perfmodel.slo import ITL_RULES
 
     names = [w for w in workloads.split(",") if w]
     unknown = [w for w in names if w not in PAPER_GPUS]
     if unknown or not names:
         raise fail(f"unknown workloads {unknown}; one or more of {', '.join(PAPER_GPUS)}")
     grid = dict(DEFAULT_RATES)
+    started = time.perf_counter()
     try:
         for spec in rates or []:
             name, _, values = spec.partition("=")
             if name not in PAPER_GPUS or not values:
                 raise ValueError(f"bad --rates {spec!r}: write WORKLOAD=R1,R2 with a known workload")
             grid[name] = tuple(float(r) for r in values.split(","))
+        rule_list = [r for r in rules.split(",") if r]
+        if not rule_list or any(r not in ITL_RULES for r in rule_list):
+            raise ValueError(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
+        cells = [Cell(r, float(x)) for r in rule_list for x in scales.split(",") if x]  # type: ignore[arg-type]
         book = profile_book(model, profile)
-        slos = {w: trace_slo(book, gpu, w, slo_scale) for w in names}
         counts = {w: sessions or DEFAULT_SESSIONS[w] for w in PAPER_GPUS}
+        slos = {(w, c.scale): trace_slo(book, gpu, w, c.scale) for w in names for c in cells}
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
-            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], counts[w], slos[w], seed, progress)]
+            points = [p for w in names for p in run_trace(book, gpu, w, grid[w], counts[w], cells, seed, progress)]
+        chunked = []
+        if chunk_ablation:
+            for w in (w for w in names if w in paper.KNEES):
+                with console.status(f"chunked prefill at {w}'s knee"):
+                    chunked += paper.chunk_ablation(book, gpu, w, paper.KNEES[w], counts[w], cells, seed)
         setup, sensitive = "", []
         if sensitivity_rate > 0:
-            dureader = trace_slo(book, gpu, "dureader", slo_scale)
+            dureader = trace_slo(book, gpu, "dureader", 5.0)
             with console.status("sensitivity to w, alpha and beta (DuReader)"):
                 setup, sensitive = sensitivity(
                     book, gpu, "dureader", sensitivity_rate, counts["dureader"], dureader, seed
@@ -252,10 +274,11 @@ def bench_paper(
             setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
     except ValueError as exc:
         raise fail(str(exc)) from exc
+    wall = time.perf_counter() - started
     per_point = ", ".join(f"{w} {counts[w]}" for w in names)
-    title = (f"{model} on {gpu}, sessions per point: {per_point}, SLO scale {slo_scale:g} "
-             "(simulated; every policy on its best deployment)")  # fmt: skip
-    for path in write(out_dir, title, points, slos, setup, sensitive):
+    title = (f"{model} on {gpu}, sessions per point: {per_point} (simulated; every policy on its best "
+             f"deployment; {wall / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
+    for path in write_paper(out_dir, title, points, cells, slos, chunked, setup, sensitive, wall):
         console.print(f"wrote {path}")
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from perfmodel.slo import Gaps, ItlRule
 from planner.trace import TraceSession
 
 TOOL = {
@@ -35,8 +36,13 @@ class LiveRound:
     session_id: str
     round: int
     ttft_s: float  # wall clock, from sending the request to the first token
-    mean_itl_s: float | None
+    mean_itl_s: float | None  # over the engine's tokens
+    p95_itl_s: float | None  # over the gaps between the deltas it streamed
+    max_itl_s: float | None
     tokens: int  # completion tokens (EOS included)
+
+    def itl(self, rule: ItlRule) -> float | None:
+        return {"mean": self.mean_itl_s, "p95": self.p95_itl_s, "max": self.max_itl_s}[rule]
 
 
 def words(session: int, round_index: int, n: int) -> str:
@@ -62,6 +68,7 @@ class Streamed:
     first_token: float | None  # first content or tool-call delta
     finished: float | None  # the chunk carrying finish_reason: the last token's arrival
     completion_tokens: int  # the engine's count (usage), EOS included
+    gaps: Gaps  # between the deltas that carried content or a tool call, and the finish
 
 
 def agent_client(connections: int) -> aiohttp.ClientSession:
@@ -106,7 +113,10 @@ async def stream_round(client: aiohttp.ClientSession, url: str, body: dict, sess
     message: dict = {"role": "assistant", "content": content or None}
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return Streamed(message, sent, stamps[0] if stamps else None, finished, tokens)
+    if finished is not None and stamps and finished > stamps[-1]:
+        stamps.append(finished)
+    gaps = Gaps.of([b - a for a, b in zip(stamps, stamps[1:], strict=False)])
+    return Streamed(message, sent, stamps[0] if stamps else None, finished, tokens, gaps)
 
 
 async def _session(
@@ -131,7 +141,8 @@ async def _session(
         # SSE chunks (a tool call's tokens may arrive as fewer deltas).
         gaps = got.completion_tokens - 1
         itl = (got.finished - got.first_token) / gaps if gaps > 0 else None
-        out.append(LiveRound(session.session_id, k, got.first_token - got.sent, itl, got.completion_tokens))
+        ttft = got.first_token - got.sent
+        out.append(LiveRound(session.session_id, k, ttft, itl, got.gaps.p95_s, got.gaps.max_s, got.completion_tokens))
         on_round(out[-1])
         message = got.message
         messages = [*messages, message]

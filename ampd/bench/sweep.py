@@ -6,7 +6,8 @@ section 7.2): for one workload, every policy runs the same trace at each arrival
 it - a prefill and a decode pool for the disaggregated policies, one colocated pool for
 `coloc` and `continuum`. Reported per point: round SLO attainment, P95 TTFT of initial
 and incremental rounds, P95 ITL and the local share of incremental prefills (Figure 5,
-right). Written as JSON, a Markdown table and a PNG.
+right). Rounds are judged by the ITL rule given (perfmodel.slo: mean, P95 or longest gap).
+Written as JSON, a Markdown table and a PNG.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from pathlib import Path
 from rich.progress import Progress
 
 from gateway.policies import POLICIES
-from perfmodel.slo import SLO
+from perfmodel.slo import SLO, ItlRule
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import Workload, generate
-
-COLOCATED = ("coloc", "continuum")
 
 
 @dataclass(frozen=True)
@@ -32,24 +31,31 @@ class SweepPoint:
     policy: str
     deployment: str
     gpus: int
+    itl_rule: ItlRule  # how its rounds were judged
     slo_attainment_rounds: float
-    slo_attainment_sessions: float
     ttft_p95_initial_s: float | None
     ttft_p95_incremental_s: float | None
-    itl_p95_s: float | None
+    itl_p95_s: float | None  # P95 over rounds of each round's mean gap
     local_share_incremental: float
     ttft_mean_initial_s: float | None  # the means are the paper's Figure 4 breakdown (bottom row)
     ttft_mean_incremental_s: float | None
-    itl_mean_s: float | None
+    itl_mean_s: float | None  # mean over rounds of each round's mean gap ...
+    itl_p95_gap_mean_s: float | None  # ... of its P95 gap
+    itl_max_gap_mean_s: float | None  # ... of its longest gap
 
     @classmethod
-    def of(cls, workload: str, rate: float, report: SimReport) -> SweepPoint:
+    def of(
+        cls, workload: str, rate: float, report: SimReport, slo: SLO | None = None, rule: ItlRule | None = None
+    ) -> SweepPoint:
+        """The point as ``report`` judged it, or judged again by ``slo`` and ``rule``."""
         deployment = f"D {report.decode}" if report.prefill == "none" else f"P {report.prefill} + D {report.decode}"
+        rule = rule or report.itl_rule
+        attainment = report.slo_attainment_by_rule[rule] if slo is None else report.attainment(slo, rule)
         return cls(
-            workload, rate, report.policy, deployment, report.gpus, report.slo_attainment_rounds,
-            report.slo_attainment_sessions, report.ttft_initial.p95_s, report.ttft_incremental.p95_s,
-            report.itl.p95_s, report.local_share_incremental, report.ttft_initial.mean_s,
-            report.ttft_incremental.mean_s, report.itl.mean_s,
+            workload, rate, report.policy, deployment, report.gpus, rule, attainment,
+            report.ttft_initial.p95_s, report.ttft_incremental.p95_s, report.itl.p95_s,
+            report.local_share_incremental, report.ttft_initial.mean_s, report.ttft_incremental.mean_s,
+            report.itl.mean_s, report.itl_p95.mean_s, report.itl_max.mean_s,
         )  # fmt: skip
 
 
@@ -63,6 +69,7 @@ def sweep(
     sessions: int,
     seed: int = 0,
     progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
 ) -> list[SweepPoint]:
     """Every (rate, policy) point; ``disaggregated`` is (prefill, decode)."""
     unknown = [p for p in policies if p not in POLICIES]
@@ -73,8 +80,8 @@ def sweep(
     for rate in rates:
         trace = generate(workload, sessions, rate, seed)
         for policy in policies:
-            prefill, decode = (None, colocated) if policy in COLOCATED else disaggregated
-            config = SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, seed=seed)
+            prefill, decode = disaggregated if POLICIES[policy].uses_prefill_workers else (None, colocated)
+            config = SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, seed=seed, itl_rule=itl_rule)
             points.append(SweepPoint.of(workload.name, rate, simulate(config, trace)))
             if progress is not None and task is not None:
                 progress.advance(task)

@@ -49,6 +49,7 @@ class SchedulerConfig:
     num_blocks: int = 0  # 0: from the profile's KV capacity
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0  # vLLM's: a request prefills at most this many tokens a step; 0 = no cap
     enable_prefix_caching: bool = True
     transfer_hold_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 
@@ -164,7 +165,7 @@ class Scheduler:
                 break
             if request.is_decoding or request.status != RequestStatus.RUNNING:
                 continue  # decodes come last; victims of an earlier preemption are out
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if self._reserve(request, n, step, scheduled):
                 step.prefills.append((request, n))
                 scheduled.add(request.request_id)
@@ -324,6 +325,11 @@ class Scheduler:
         return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
 
     # -- internals ---------------------------------------------------------------
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """A prefill's tokens this step: what is left, within the budget and vLLM's per-request cap."""
+        cap = self.config.long_prefill_token_threshold
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+
     def _admit(self, request: Request, budget: int, step: Step) -> int | None:
         """Take cache hits and blocks for a waiting request.
 
@@ -351,7 +357,7 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             return 0
 
-        n = min(request.num_tokens - hit_tokens - request.num_computed_tokens, budget)
+        n = self._chunk(request.num_tokens - hit_tokens - request.num_computed_tokens, budget)
         total = request.num_computed_tokens + hit_tokens + n
         needed = max(0, self.kv.blocks_for(total) - len(request.block_ids) - len(hits))
         if not self.kv.can_allocate(needed, hits):

@@ -377,6 +377,7 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
         profile=config.profile,
         speed=config.speed,
         kv_capacity_tokens=w.scheduler.kv.num_blocks * w.scheduler.kv.block_size,
+        prefill_chunk=config.scheduler.long_prefill_token_threshold,
     )
     beat = asyncio.create_task(Registration(redis, config.redis_prefix, info).run())
     try:

@@ -42,6 +42,17 @@ class VllmLaunch:
         return self.served_model_name or self.model
 
     @property
+    def prefill_chunk(self) -> int:
+        """vLLM's ``--long-prefill-token-threshold`` if the operator passed it (0: no cap)."""
+        args = list(self.extra_args)
+        for i, arg in enumerate(args):
+            if arg.startswith("--long-prefill-token-threshold="):
+                return int(arg.split("=", 1)[1])
+            if arg == "--long-prefill-token-threshold" and i + 1 < len(args):
+                return int(args[i + 1])
+        return 0
+
+    @property
     def worker_id(self) -> str:
         return f"vllm-{self.role}-{self.advertise_host}:{self.port}"
 

@@ -92,8 +92,9 @@ async def _wait_ready(
                     blocks = cache_config((await http.get("/metrics")).text)
                     capacity = blocks[0] * blocks[1] if blocks else profile.kv_capacity_tokens
                     return WorkerInfo(
-                        launch.worker_id, launch.role, launch.url, launch.model_name, profile, 1.0, capacity
-                    )
+                        launch.worker_id, launch.role, launch.url, launch.model_name, profile, 1.0, capacity,
+                        prefill_chunk=launch.prefill_chunk,
+                    )  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), POLL_S)
     if engine.returncode is None and not stop.is_set():
