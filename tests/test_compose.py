@@ -124,7 +124,9 @@ def test_telemetry_wiring_points_at_services_that_exist():
     assert scraped == {"gateway", "prefill", "decode", "prefill-cpu", "decode-cpu"}
 
 
-@pytest.mark.parametrize("metric", ["ampd_ttft_seconds", "ampd_itl_seconds", "ampd_route_total"])
+@pytest.mark.parametrize(
+    "metric", ["ampd_ttft_seconds", "ampd_itl_seconds", "ampd_route_total", "ampd_slo_rounds_total"]
+)
 def test_the_dashboard_charts_what_the_gateway_exports(metric):
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/ampd.json").read_text())
     expressions = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])

@@ -67,6 +67,15 @@ class Stack:
     def session(self, session_id: str) -> dict:
         return self.redis.hgetall(f"{self.prefix}:session:public:{session_id}")
 
+    def slo_rounds(self) -> dict[tuple[str, str], float]:
+        """ampd_slo_rounds_total by (rule, outcome)."""
+        out: dict[tuple[str, str], float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith("ampd_slo_rounds_total{"):
+                labels = dict(part.split("=") for part in line[line.index("{") + 1 : line.index("}")].split(","))
+                out[(labels["rule"].strip('"'), labels["outcome"].strip('"'))] = float(line.rsplit(" ", 1)[1])
+        return out
+
     def routes(self, gateway_url: str | None = None) -> dict[str, float]:
         text = httpx.get(f"{gateway_url or self.url}/metrics").text
         out: dict[str, float] = {"local": 0.0, "remote": 0.0}
@@ -144,8 +153,18 @@ def test_a_five_round_agent_session_is_bound_once(stack):
 def test_every_round_of_a_session_can_be_read_back_by_its_key_only(stack):
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
     session_id = f"s-{uuid.uuid4().hex[:8]}"
+    counted = stack.slo_rounds()
     rounds = list(agent_loop(client, 3, session_id=session_id))
     body = httpx.get(f"{stack.url}/v1/sessions/{session_id}").json()
+    # Every round is judged by every ITL rule, in its record and in /metrics.
+    now = stack.slo_rounds()
+    for rule in ("mean", "p95", "max"):
+        met = sum(r["slo_met"][rule] for r in body["rounds"])
+        assert now[(rule, "met")] - counted[(rule, "met")] == met
+        assert now[(rule, "missed")] - counted[(rule, "missed")] == 3 - met
+    for r in body["rounds"]:  # the longest gap bounds the other two
+        assert r["max_itl_s"] >= max(r["p95_itl_s"], r["mean_itl_s"])
+        assert not r["slo_met"]["max"] or (r["slo_met"]["p95"] and r["slo_met"]["mean"])
     assert body["id"] == session_id and len(body["rounds"]) == 3
     assert [r["kind"] for r in body["rounds"]] == ["initial", "incremental", "incremental"]
     for (headers, usage, _), record in zip(rounds, body["rounds"], strict=True):
