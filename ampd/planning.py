@@ -38,25 +38,42 @@ def fail(message: str) -> typer.Exit:
 def trace_generate(
     out: Annotated[Path, typer.Option(help="JSONL file to write")],
     workload: Annotated[str, typer.Option(help="toolbench, gaia, hotpotqa or dureader")] = "toolbench",
-    sessions: Annotated[int, typer.Option(min=1)] = 1000,
-    rate: Annotated[float, typer.Option(help="sessions per second (Poisson)")] = 1.0,
+    sessions: Annotated[int, typer.Option(min=1, help="sessions at a constant rate")] = 1000,
+    rate: Annotated[float, typer.Option(help="sessions per second (Poisson); a shape's lowest rate")] = 1.0,
+    shape: Annotated[
+        str | None,
+        typer.Option(help="load that varies in time: ramp, burst, diurnal, or mix (one workload to another)"),
+    ] = None,
+    peak_rate: Annotated[float | None, typer.Option(help="a shape's highest rate (sessions/s)")] = None,
+    duration: Annotated[float, typer.Option(help="a shape's length in seconds")] = 600.0,
+    to_workload: Annotated[str, typer.Option(help="the workload a mix shifts to")] = "gaia",
     seed: int = 0,
 ) -> None:
-    """A trace shaped like one of the paper's four workloads (Table 1 means)."""
-    from planner.trace import WORKLOADS, generate, summarize, write_trace
+    """A trace shaped like one of the paper's four workloads (Table 1 means), at a constant rate or one that varies."""
+    from planner.trace import SHAPES, WORKLOADS, Shape, generate, generate_shaped, summarize, write_trace
 
-    if workload not in WORKLOADS:
-        raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
-    trace = generate(WORKLOADS[workload], sessions, rate, seed)
+    if workload not in WORKLOADS or to_workload not in WORKLOADS:
+        raise fail(f"unknown workload {workload!r} or {to_workload!r}; one of {', '.join(WORKLOADS)}")
+    if shape is not None and shape not in SHAPES:
+        raise fail(f"unknown shape {shape!r}; one of {', '.join(SHAPES)}")
+    try:
+        if shape is None:
+            trace = generate(WORKLOADS[workload], sessions, rate, seed)
+        else:
+            varying = Shape(shape, duration, rate, peak_rate or rate)  # type: ignore[arg-type]
+            trace = generate_shaped(WORKLOADS[workload], varying, seed, WORKLOADS[to_workload])
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
     write_trace(trace, out)
-    shape, target = summarize(trace), WORKLOADS[workload]
-    table = Table("", "this trace", "paper (Table 1)")
-    table.add_row("sessions", str(shape["sessions"]), "")
-    table.add_row("rounds / session", f"{shape['mean_rounds']:.2f}", f"{target.mean_rounds}")
-    table.add_row("prompt tokens / call", f"{shape['mean_prompt_tokens']:.1f}", f"{target.mean_prompt_tokens}")
-    table.add_row("prompt tokens added / round", f"{shape['mean_added_tokens']:.1f}", "")
-    table.add_row("output tokens / round", f"{shape['mean_output_tokens']:.1f}", f"{target.mean_output_tokens}")
-    table.add_row("arrival rate (/s)", f"{shape['arrival_rate']:.3f}", f"{rate}")
+    summary, target = summarize(trace), WORKLOADS[workload]
+    table = Table("", "this trace", "paper (Table 1)" if shape != "mix" else f"paper ({workload}, then {to_workload})")
+    table.add_row("sessions", str(summary["sessions"]), "")
+    table.add_row("rounds / session", f"{summary['mean_rounds']:.2f}", f"{target.mean_rounds}")
+    table.add_row("prompt tokens / call", f"{summary['mean_prompt_tokens']:.1f}", f"{target.mean_prompt_tokens}")
+    table.add_row("prompt tokens added / round", f"{summary['mean_added_tokens']:.1f}", "")
+    table.add_row("output tokens / round", f"{summary['mean_output_tokens']:.1f}", f"{target.mean_output_tokens}")
+    table.add_row("arrival rate (/s)", f"{summary['arrival_rate']:.3f}", f"{rate}" if shape is None else
+                  f"{rate} to {peak_rate or rate} ({shape})")  # fmt: skip
     console.print(table)
     console.print(f"wrote {out}")
 
@@ -89,6 +106,12 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:,.0f} ms"
 
 
+def _roles(report) -> str:
+    """Prefill engines at a few times of an elastic run: "0 s: 0, 300 s: 2, ..."."""
+    shown = report.roles[:: max(1, len(report.roles) // 6)]
+    return ", ".join(f"{r.at:,.0f} s: {r.prefill}" for r in shown)
+
+
 def report_table(reports) -> Table:
     """Simulation reports side by side, one column each."""
     table = Table("", *[f"P {r.prefill}\nD {r.decode}\n{r.policy}" for r in reports])
@@ -109,6 +132,7 @@ def report_table(reports) -> Table:
         ("SLO attainment, sessions", lambda r: f"{r.slo_attainment_sessions:.1%}"),
         ("incremental prefills local", lambda r: f"{r.local_share_incremental:.1%}"),
         ("utilisation", lambda r: ", ".join(f"{w.worker_id} {w.utilisation:.0%}" for w in r.workers)),
+        ("role moves; prefill engines over time", lambda r: f"{r.moves}; " + _roles(r) if r.roles else "-"),
         ("sessions / rounds", lambda r: f"{r.sessions:,} / {r.rounds:,}"),
         ("simulated / wall", lambda r: f"{r.makespan_s:,.0f} s / {r.wall_s:.1f} s"),
     ]
@@ -123,6 +147,10 @@ def simulate_command(
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
     prefill: Annotated[str | None, typer.Option(help="prefill pool TPxDP, e.g. 4x1; none for colocated")] = "4x1",
     decode: Annotated[str, typer.Option(help="decode pool TPxDP")] = "4x1",
+    pool: Annotated[
+        str | None, typer.Option(help="an elastic policy's engines, TPxN: their roles change with the load")
+    ] = None,
+    initial_prefill: Annotated[int, typer.Option(help="engines of --pool that start as prefill")] = 0,
     policy: PolicyOption = "ampd",
     profile: ProfilesOption = None,
     slo_scale: float = DEFAULT_SCALE,
@@ -136,7 +164,6 @@ def simulate_command(
     out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
 ) -> None:
     """Discrete-event simulation of a deployment on the gateway's and the engine's own cores."""
-    from gateway.policies import POLICIES
     from planner.plan import parse_pool
     from planner.simulator import Pool, SimConfig, simulate
 
@@ -144,19 +171,25 @@ def simulate_command(
         raise fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     if gpu not in GPUS:
         raise fail(f"unknown GPU type {gpu!r}; one of {', '.join(GPUS)}")
+    elastic = POLICIES[policy].elastic is not None
+    if elastic != (pool is not None):
+        raise fail("an elastic policy runs on --pool TPxN (and only it does)")
     sessions, book = _load(trace), profile_book(model, profile)
     try:
         pools = {}
-        for phase, spec in (("prefill", prefill), ("decode", decode)):
+        specs = (("decode", pool),) if pool is not None else (("prefill", prefill), ("decode", decode))
+        for phase, spec in specs:
             if spec and spec.lower() != "none":
                 tp, dp = parse_pool(spec)
                 pools[phase] = Pool(book.get(gpu, tp), dp)
+        if not 0 <= initial_prefill < pools["decode"].replicas:
+            raise ValueError("--initial-prefill must leave the pool at least one decode engine")
         slo = slo_for(book, gpu, slo_scale, ttft_slo_s, itl_slo_s)
     except ValueError as exc:
         raise fail(str(exc)) from exc
     config = SimConfig(
         decode=pools["decode"], prefill=pools.get("prefill"), slo=slo, policy=policy, seed=seed,
-        itl_rule=itl_slo_metric, decode_prefill_chunk=decode_prefill_chunk,
+        itl_rule=itl_slo_metric, decode_prefill_chunk=decode_prefill_chunk, initial_prefill=initial_prefill,
     )  # fmt: skip
     with console.status(f"simulating {len(sessions):,} sessions"):
         report = simulate(config, sessions)

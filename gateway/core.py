@@ -20,7 +20,7 @@ the replica's memory live; the simulation's memory simulated).
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -53,6 +53,7 @@ class Candidate:
     block_size: int = 16  # tokens per KV block of its cache
     token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
+    colocates: bool = False  # its sessions' rounds all prefill on it (a mixed engine: gateway.roles)
 
 
 @dataclass(frozen=True)
@@ -182,18 +183,29 @@ class RoundCore:
 
     # -- a round begins ------------------------------------------------------------------
     def bind(
-        self, state: SessionState | None, decoders: Sequence[DecodeCandidate], keeps_history: bool = True
+        self,
+        state: SessionState | None,
+        decoders: Sequence[DecodeCandidate],
+        keeps_history: bool = True,
+        holders: Collection[str] = (),
     ) -> Bound:
         """The session on a decode worker that serves: its own while it is among
         ``decoders`` (the workers taking new rounds), else the least loaded by memory.
         A session that moves starts over there, and one whose request does not continue
         what its worker holds (``keeps_history`` false: the client rewrote its history)
-        has nothing cached either: l_hist 0."""
+        has nothing cached either: l_hist 0. If its old worker is among ``holders`` -
+        alive, but no longer decoding (it changed role: gateway.roles) - its prefix cache
+        still holds the session, which a remote prefill there reuses (Eq. 2 sees it as
+        that worker's cached tokens) and the new worker pulls over NIXL."""
         if state is not None and any(c.worker_id == state.decode_worker for c in decoders):
             return Bound(state if keeps_history else replace(state, l_hist=0), moved=False)
         worker_id = choose_decode_worker(decoders)
         if state is None:
             return Bound(SessionState(worker_id), moved=True)
+        if state.decode_worker in holders and keeps_history:
+            moved = replace(state, decode_worker=worker_id, l_hist=0, prefill_worker=state.decode_worker,
+                            prefill_cached=state.l_hist)  # fmt: skip
+            return Bound(moved, moved=True)
         return Bound(replace(state, decode_worker=worker_id, l_hist=0), moved=True)
 
     def plan(
@@ -212,7 +224,7 @@ class RoundCore:
         task = PrefillTask(task_id, min(state.l_hist, l_total - 1), l_total, created_at)
         decode_view = signals.view(decode, windowed_itl=signals.means.get((ITL, decode.worker_id)))
         prefill_views = []
-        if self.policy.uses_prefill_workers:
+        if self.policy.uses_prefill_workers and not decode.colocates:
             prefill_views = [
                 signals.view(
                     p,

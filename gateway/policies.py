@@ -12,7 +12,10 @@ Every policy is a routing rule plus a queue discipline over the same engines. Pu
   policy (isl_bounding), and ``dynamo-conditional-load`` / ``dynamo-conditional-isl-or-load``
   with its other two (gateway.conditional_disagg);
 * ``uncached-threshold``: llm-d's prefix-based P/D decider / vllm-router's uncached-token
-  threshold (gateway.uncached_threshold).
+  threshold (gateway.uncached_threshold);
+* ``elastic``: engines change role with the load (gateway.elastic: Arrow's SLO-driven
+  moves and DOPD's forecast-driven split), rounds routed as ``ampd-tail`` within the
+  current roles; ``elastic-arrow`` and ``elastic-dopd`` keep one source of moves.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.conditional_disagg import ConditionalDisagg
+from gateway.elastic import ElasticConfig
 from gateway.reordering import Decision, QueuedTask, reorder
 from gateway.routing import Route, RouteContext, adaptive_route, local_only, shortest_remote, tail_aware_route
 from gateway.uncached_threshold import UncachedThreshold
@@ -37,6 +41,7 @@ class Policy:
     rule: Callable[[RouteContext], Route]  # where a task prefills when prefill workers are there
     queueing: Queueing
     uses_prefill_workers: bool = True
+    elastic: ElasticConfig | None = None  # engines change role with the load (gateway.elastic)
 
     def window(self, w: int) -> int:
         """How many head tasks a dispatch looks at."""
@@ -57,6 +62,9 @@ POLICIES: dict[str, Policy] = {
         Policy("dynamo-conditional-load", ConditionalDisagg("prefill_load"), "fifo"),
         Policy("dynamo-conditional-isl-or-load", ConditionalDisagg("isl_or_load"), "fifo"),
         Policy("uncached-threshold", UncachedThreshold(256), "fifo"),
+        Policy("elastic", tail_aware_route, "reorder", elastic=ElasticConfig()),
+        Policy("elastic-arrow", tail_aware_route, "reorder", elastic=ElasticConfig(dopd=False)),
+        Policy("elastic-dopd", tail_aware_route, "reorder", elastic=ElasticConfig(arrow=False)),
     ]
 }
 

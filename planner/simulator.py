@@ -50,8 +50,11 @@ from gateway.core import (
     SessionState,
     Signals,
 )
+from gateway.elastic import Demand, ElasticController, EngineState, Move
 from gateway.policies import POLICIES
 from gateway.reordering import QueuedTask
+from gateway.roles import Assignment, Role, settle
+from gateway.roles import move as move_to
 from gateway.stats import WindowedMeans
 from perfmodel.profile import Profile, t_kv
 from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
@@ -93,6 +96,7 @@ class SimConfig:
     itl_rule: ItlRule = "mean"  # how rounds are judged (perfmodel.slo)
     scheduler: SchedulerConfig = SchedulerConfig()
     decode_prefill_chunk: int = 0  # decode workers' long_prefill_token_threshold (0: no cap)
+    initial_prefill: int = 0  # an elastic pool (``decode``, no ``prefill``): engines that start as prefill
     max_decode_steps: int = 64  # fused decode steps per event; results do not depend on it
 
 
@@ -110,7 +114,7 @@ class PrefillQueue:
 @dataclass
 class SimWorker:
     worker_id: str
-    role: str  # "prefill" or "decode"
+    assignment: Assignment  # its role (gateway.roles)
     profile: Profile
     scheduler: Scheduler
     candidate: Candidate  # the worker as the round core sees it
@@ -120,6 +124,17 @@ class SimWorker:
     version: int = 0  # invalidates step-end events of steps cut short
     busy_s: float = 0.0
     kv_snapshot: float = 0.0  # KV usage at the last scrape
+    decoding: int = 0  # rounds of sessions bound here, in flight
+    remote_prefills: int = 0  # other engines' prefills queued or running here
+
+    def busy_with(self) -> set[Role]:
+        """The roles whose work it still has (gateway.roles: what a move leaves draining)."""
+        busy: set[Role] = set()
+        if self.remote_prefills:
+            busy.add("prefill")
+        if self.decoding:
+            busy |= {"decode", "mixed"}
+        return busy
 
 
 @dataclass
@@ -147,7 +162,36 @@ class RoundState:
     gaps: list[float] = field(default_factory=list)  # every inter-token gap, for the tail rules
 
 
+@dataclass
+class _Interval:
+    """The rounds started since the last forecast, for its demand (gateway.elastic.Demand)."""
+
+    rounds: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    context_tokens: int = 0
+
+    def add(self, prefill: int, output: int, context: int) -> None:
+        self.rounds += 1
+        self.prefill_tokens += prefill
+        self.output_tokens += output
+        self.context_tokens += context
+
+    def demand(self, seconds: float) -> Demand:
+        n = max(self.rounds, 1)
+        return Demand(self.rounds / seconds, self.prefill_tokens / n, self.output_tokens / n, self.context_tokens / n)
+
+
 # -- the report ---------------------------------------------------------------------------
+class RolesAt(BaseModel):
+    """How many engines had each role from ``at`` on (elastic pools)."""
+
+    at: float
+    prefill: int
+    decode: int
+    mixed: int
+
+
 class LatencySummary(BaseModel):
     count: int
     mean_s: float | None
@@ -187,6 +231,8 @@ class SimReport(BaseModel):
     makespan_s: float
     workers: list[WorkerUsage]
     wall_s: float = 0.0
+    moves: int = 0  # role changes (elastic pools)
+    roles: list[RolesAt] = []  # the pool's roles over time (elastic pools)
     # (TTFT, mean, P95, longest gap) of every round, to judge the run by another SLO; not dumped.
     round_latencies: list[tuple[float, float | None, float | None, float | None]] = Field(default=[], exclude=True)
 
@@ -234,15 +280,24 @@ class Simulation:
         rng = random.Random(config.seed)
         self.core = RoundCore(policy, config.alpha, config.beta, config.window, rng, config.itl_rule)
         self.stats = WindowedMeans(config.stats_window_s)
-        self.decoders = [
-            self._worker(f"decode-{i}", "decode", config.decode.profile) for i in range(config.decode.replicas)
-        ]
-        self.prefillers = []
-        if config.prefill is not None and policy.uses_prefill_workers:
-            self.prefillers = [
-                self._worker(f"prefill-{i}", "prefill", config.prefill.profile) for i in range(config.prefill.replicas)
-            ]
-        self.workers = {w.worker_id: w for w in self.decoders + self.prefillers}
+        self.controller = None if policy.elastic is None else ElasticController(
+            policy.elastic, config.slo, config.alpha, config.beta
+        )  # fmt: skip
+        if self.controller is not None:  # one pool; roles change with the load
+            engines = [self._worker(f"engine-{i}", "decode", config.decode.profile)
+                       for i in range(config.decode.replicas)]  # fmt: skip
+            for w in engines[: config.initial_prefill]:
+                w.assignment = Assignment(w.worker_id, "prefill")
+        else:
+            engines = [self._worker(f"decode-{i}", "decode", config.decode.profile)
+                       for i in range(config.decode.replicas)]  # fmt: skip
+            if config.prefill is not None and policy.uses_prefill_workers:
+                engines += [self._worker(f"prefill-{i}", "prefill", config.prefill.profile)
+                            for i in range(config.prefill.replicas)]  # fmt: skip
+        self.workers = {w.worker_id: w for w in engines}
+        self.timeline: list[RolesAt] = []
+        self.moves: list[tuple[float, Move]] = []
+        self.interval = _Interval()
         self.sessions = [SimSession(s, i) for i, s in enumerate(sessions)]
         self.records: list[RoundRecord] = []
         self.rounds: dict[str, RoundState] = {}  # by engine request id
@@ -253,11 +308,20 @@ class Simulation:
         self._next_scrape = 0.0
         self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (gateway.binding)
 
-    def _worker(self, worker_id: str, role: str, profile: Profile) -> SimWorker:
+    def _worker(self, worker_id: str, role: Role, profile: Profile) -> SimWorker:
         chunk = self.config.decode_prefill_chunk if role == "decode" else 0
         scheduler = Scheduler(profile, replace(self.config.scheduler, long_prefill_token_threshold=chunk))
         candidate = Candidate(worker_id, profile, block_size=scheduler.kv.block_size, prefill_chunk=chunk)
-        return SimWorker(worker_id, role, profile, scheduler, candidate)
+        return SimWorker(worker_id, Assignment(worker_id, role), profile, scheduler, candidate)
+
+    @property
+    def decoders(self) -> list[SimWorker]:
+        """The engines sessions are bound to (decode and mixed roles)."""
+        return [w for w in self.workers.values() if w.assignment.binds]
+
+    @property
+    def prefillers(self) -> list[SimWorker]:
+        return [w for w in self.workers.values() if w.assignment.prefills_remote]
 
     def _at(self, when: float, action: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
@@ -265,6 +329,11 @@ class Simulation:
     def run(self) -> None:
         for session in self.sessions:
             self._at(session.trace.arrival_s, self._start_round, session)
+        self._unfinished = len(self.sessions)
+        if self.controller is not None:
+            self._record_roles()
+            self._at(self.controller.config.interval_s, self._control)
+            self._at(self.controller.config.forecast_interval_s, self._forecast)
         while self._events:
             when, _, action, args = heapq.heappop(self._events)
             self.now = when
@@ -280,19 +349,22 @@ class Simulation:
         bound = self.core.bind(session.state, [
             DecodeCandidate(w.worker_id, w.kv_snapshot, w.profile.kv_capacity_tokens, self.arrivals.tokens[w.worker_id])
             for w in self.decoders
-        ])  # fmt: skip
+        ], holders=self.workers)  # fmt: skip
         if bound.moved:
             self.arrivals.expect(bound.state.decode_worker, l_total)
         session.state = state = bound.state
         decode = self.workers[state.decode_worker]
         prefills, signals = [p.candidate for p in self.prefillers], self._signals(decode)
-        plan = self.core.plan(
-            state, f"t{next(self._ids)}", l_total, now, decode.candidate, prefills, signals, self.config.slo
-        )
+        candidate = replace(decode.candidate, colocates=True) if decode.assignment.colocates else decode.candidate
+        plan = self.core.plan(state, f"t{next(self._ids)}", l_total, now, candidate, prefills, signals, self.config.slo)
+        self.interval.add(plan.tokens, spec.output_tokens, l_total + spec.output_tokens)
+        decode.decoding += 1
         task = plan.task
         output_plan = self._fresh_tokens(session, spec.output_tokens)
         round_state = RoundState(session, plan, output_plan, arriving=l_total if bound.moved else 0)
         worker = self.workers[plan.route.worker_id]
+        if plan.route.kind == "remote":
+            worker.remote_prefills += 1
         queued = QueuedTask(task.task_id, now, plan.estimate_s, self.config.slo.ttft_s, 0, task.incremental)
         worker.queue.tasks.append(queued)
         worker.queue.cost += plan.estimate_s
@@ -426,7 +498,7 @@ class Simulation:
             state = self.rounds.get(out.request.request_id)
             if state is None:
                 continue
-            if worker.role == "prefill":
+            if out.request.do_remote_decode:
                 self._prefilled(worker, state, out.request, out.held_block_ids)
             else:
                 self._tokens(worker, state, ends[-len(out.new_token_ids) :], out.finished, out.request)
@@ -443,6 +515,7 @@ class Simulation:
         """The remote prefill answered: free its slot, send the decode with the transfer params."""
         state.prefill_done_at = self.now
         self.rounds.pop(request.request_id, None)
+        prefill.remote_prefills -= 1
         self._release(prefill, state)
         session = state.session
         remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held)
@@ -487,6 +560,7 @@ class Simulation:
             prefill_s=state.prefill_done_at - plan.task.created_at,
         )
         closed = self.core.close(session.trace.session_id, session.state, plan, result, self.config.slo)
+        self.workers[session.state.decode_worker].decoding -= 1
         for o in closed.observations:
             self.stats.record(o, self.now)
         self.records.append(closed.record)
@@ -499,6 +573,44 @@ class Simulation:
             self._at(self.now + spec.tool_latency_s, self._start_round, session)
         else:  # done: its conversation (tens of MB over a long trace) is not needed any more
             session.tokens, session.block_hashes = [], []
+            self._unfinished -= 1
+
+    # -- the elastic controller (gateway.elastic), on the same events as live --------------
+    def _engines(self) -> list[EngineState]:
+        now = self.now
+        return [
+            EngineState(w.assignment, w.profile, 1.0, max(0.0, w.queue.cost), w.decoding,
+                        w.scheduler.kv_usage(w.step, now - w.step_start), self.stats.mean(ITL, w.worker_id, now))
+            for w in self.workers.values()
+        ]  # fmt: skip
+
+    def _control(self) -> None:
+        assert self.controller is not None
+        for w in self.workers.values():
+            w.assignment = settle(w.assignment, w.busy_with())
+        for move in self.controller.tick(self.now, self._engines()):
+            w = self.workers[move.worker_id]
+            w.assignment = move_to(w.assignment, move.role, self.now, bool(w.busy_with() & {w.assignment.role}))
+            self.moves.append((self.now, move))
+            self._record_roles()
+        if self._unfinished:
+            self._at(self.now + self.controller.config.interval_s, self._control)
+
+    def _forecast(self) -> None:
+        assert self.controller is not None
+        interval = self.controller.config.forecast_interval_s
+        self.controller.observe(self.interval.demand(interval), self._engines())
+        self.interval = _Interval()
+        if self._unfinished:
+            self._at(self.now + interval, self._forecast)
+
+    def _record_roles(self) -> None:
+        roles = [w.assignment.role for w in self.workers.values()]
+        self.timeline.append(
+            RolesAt(
+                at=self.now, prefill=roles.count("prefill"), decode=roles.count("decode"), mixed=roles.count("mixed")
+            )
+        )
 
     # -- results --------------------------------------------------------------------
     def report(self, wall_s: float = 0.0) -> SimReport:
@@ -547,13 +659,15 @@ class Simulation:
             workers=[
                 WorkerUsage(
                     worker_id=w.worker_id,
-                    role=w.role,
+                    role=w.assignment.role,
                     utilisation=w.busy_s / makespan,
                     preemptions=w.scheduler.num_preemptions,
                 )
                 for w in self.workers.values()
             ],  # fmt: skip
             wall_s=wall_s,
+            moves=len(self.moves),
+            roles=self.timeline,
             round_latencies=[(r.ttft_s, r.mean_itl_s, r.p95_itl_s, r.max_itl_s) for r in records],
         )
 

@@ -34,15 +34,18 @@ incremental prefill computes). The spreads are our choice too:
   exactly three retrievals, so three rounds (Appendix B);
 * tool latency is log-normal around the tool's kind: 1 s for ToolBench's REST APIs,
   2 s for GAIA's browsing and code, 0.2 s for a retrieval (not in the paper);
-* sessions arrive as a Poisson process at ``rate`` per second (section 7.1).
+* sessions arrive as a Poisson process at ``rate`` per second (section 7.1), or at a
+  rate that varies in time (``Shape``: a ramp, a burst, a day-shaped curve, and a mix
+  that shifts from one workload to another) - the load a fixed deployment serves worst.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -154,19 +157,16 @@ def _rounds(rng: np.random.Generator, w: Workload, size: int) -> np.ndarray:
     return 1 + rng.negative_binomial(extra * p / (1 - p), p, size)
 
 
-def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> list[TraceSession]:
-    """``sessions`` sessions of ``workload`` arriving as a Poisson process at ``rate``/s."""
-    if sessions < 1 or rate <= 0:
-        raise ValueError("need at least one session and a positive rate")
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1 / rate, sessions))
-    counts = _rounds(rng, workload, sessions)
+def _sessions(rng: np.random.Generator, workload: Workload, arrivals: Sequence[float], first: int = 0):
+    """Sessions of ``workload`` arriving at ``arrivals`` (ids numbered from ``first``)."""
+    n = len(arrivals)
+    counts = _rounds(rng, workload, n)
     total = int(counts.sum())
     inputs = np.maximum(1, _lognormal(rng, workload.mean_added_tokens, workload.input_sigma, total).round())
     outputs = np.maximum(1, _lognormal(rng, workload.mean_output_tokens, workload.output_sigma, total).round())
     tools = _lognormal(rng, workload.mean_tool_latency_s, workload.tool_sigma, total)
     out, k = [], 0
-    for i in range(sessions):
+    for i in range(n):
         rounds = []
         for j in range(counts[i]):
             last = j == counts[i] - 1
@@ -179,10 +179,72 @@ def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> l
                 )
             )
             k += 1
-        out.append(
-            TraceSession(session_id=f"{workload.name}-{i}", arrival_s=round(float(arrivals[i]), 4), rounds=rounds)
-        )
+        session_id = f"{workload.name}-{first + i}"
+        out.append(TraceSession(session_id=session_id, arrival_s=round(float(arrivals[i]), 4), rounds=rounds))
     return out
+
+
+def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> list[TraceSession]:
+    """``sessions`` sessions of ``workload`` arriving as a Poisson process at ``rate``/s."""
+    if sessions < 1 or rate <= 0:
+        raise ValueError("need at least one session and a positive rate")
+    rng = np.random.default_rng(seed)
+    return _sessions(rng, workload, np.cumsum(rng.exponential(1 / rate, sessions)))
+
+
+ShapeKind = Literal["ramp", "burst", "diurnal", "mix"]
+SHAPES: tuple[ShapeKind, ...] = get_args(ShapeKind)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Load that varies in time over ``duration_s``, between ``low`` and ``high`` sessions/s:
+
+    * ``ramp``: from low to high, linearly;
+    * ``burst``: low, with high for the middle fifth;
+    * ``diurnal``: a day in one duration - low at its ends, high at its middle (a raised cosine);
+    * ``mix``: the rate ramps as ``ramp`` does while the sessions shift from one workload
+      to another (each session is the second with a probability that grows from 0 to 1).
+    """
+
+    kind: ShapeKind
+    duration_s: float
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or not 0 < self.low <= self.high:
+            raise ValueError("a shape needs a positive duration and rates 0 < low <= high")
+
+    def rate(self, t: float) -> float:
+        x = min(max(t / self.duration_s, 0.0), 1.0)
+        if self.kind in ("ramp", "mix"):
+            return self.low + (self.high - self.low) * x
+        if self.kind == "burst":
+            return self.high if 0.4 <= x < 0.6 else self.low
+        return self.low + (self.high - self.low) * (1 - math.cos(2 * math.pi * x)) / 2
+
+
+def generate_shaped(
+    workload: Workload, shape: Shape, seed: int = 0, to_workload: Workload | None = None
+) -> list[TraceSession]:
+    """Sessions arriving as a Poisson process whose rate follows ``shape`` (drawn by thinning
+    one at its ``high`` rate). A ``mix`` shifts from ``workload`` to ``to_workload``."""
+    if shape.kind == "mix" and to_workload is None:
+        raise ValueError("a mix needs the workload it shifts to")
+    rng = np.random.default_rng(seed)
+    candidates = np.cumsum(rng.exponential(1 / shape.high, int(shape.duration_s * shape.high * 1.5) + 16))
+    candidates = candidates[candidates < shape.duration_s]
+    keep = rng.random(len(candidates)) * shape.high < np.array([shape.rate(t) for t in candidates])
+    arrivals = candidates[keep]
+    if not len(arrivals):
+        raise ValueError("the shape gives no arrival: raise its rates or its duration")
+    if shape.kind != "mix":
+        return _sessions(rng, workload, arrivals)
+    assert to_workload is not None
+    second = rng.random(len(arrivals)) < arrivals / shape.duration_s
+    sessions = _sessions(rng, workload, arrivals[~second]) + _sessions(rng, to_workload, arrivals[second])
+    return sorted(sessions, key=lambda s: s.arrival_s)
 
 
 def respace(sessions: list[TraceSession], rate: float, seed: int = 0) -> list[TraceSession]:
