@@ -25,6 +25,8 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
 sessions_app = typer.Typer(help="Sessions a gateway served.", no_args_is_help=True)
 app.add_typer(sessions_app, name="sessions")
+workers_app = typer.Typer(help="The engines of a deployment and their roles.", invoke_without_command=True)
+app.add_typer(workers_app, name="workers")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
 console = Console()
@@ -277,6 +279,85 @@ def tools_worker(
     from tools_sandbox.worker import run_workers
 
     raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
+
+
+RedisOption = Annotated[str, typer.Option(envvar="REDIS_URL", help="the deployment's Redis")]
+
+
+@workers_app.callback()
+def workers_list(
+    ctx: typer.Context,
+    redis_url: RedisOption = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+) -> None:
+    """The registered engines: what each can do, the role gateways give it, and since when."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import asyncio
+    import time
+
+    from gateway.role_store import RoleStore
+    from workers.registry import heartbeat_client, live_workers
+
+    async def read():
+        redis = heartbeat_client(redis_url)
+        try:
+            infos = await live_workers(redis, redis_prefix)
+            return infos, await RoleStore(redis, redis_prefix).load([i.worker_id for i in infos])
+        finally:
+            await redis.aclose()
+
+    try:
+        infos, roles = asyncio.run(read())
+    except OSError as exc:
+        console.print(f"[red]{redis_url} unreachable: {exc}[/red]")
+        raise typer.Exit(1) from exc
+    table = Table("engine", "url", "model", "registered as", "role (pool)", "for", title=f"{len(infos)} engines")
+    for info in infos:
+        a = roles.get(info.worker_id)
+        role = f"{a.role} ({a.pool})" if a else f"{info.role} (as registered)"
+        held = f"{time.time() - a.since:,.0f} s" if a else "-"
+        table.add_row(info.worker_id, info.url, info.model, info.role, role + (" draining" if info.draining else ""),
+                      held)  # fmt: skip
+    console.print(table)
+
+
+@workers_app.command("set")
+def workers_set(
+    worker_id: str,
+    role: Annotated[str, typer.Argument(help="prefill, decode or mixed")],
+    redis_url: RedisOption = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+) -> None:
+    """Give an engine registered as `both` another role; every gateway applies it at its next refresh."""
+    import asyncio
+
+    from gateway.elastic_live import set_role
+    from gateway.roles import ROLES
+    from workers.registry import heartbeat_client, live_workers
+
+    if role not in ROLES:
+        raise typer.BadParameter(f"role must be one of {', '.join(ROLES)}")
+
+    async def write():
+        redis = heartbeat_client(redis_url)
+        try:
+            known = {i.worker_id: i for i in await live_workers(redis, redis_prefix)}
+            info = known.get(worker_id)
+            if info is None:
+                raise ValueError(f"no engine {worker_id!r}; registered: {', '.join(sorted(known)) or 'none'}")
+            if info.role != "both":
+                raise ValueError(f"{worker_id} is registered as {info.role}: only `both` engines change role")
+            return await set_role(redis, redis_prefix, worker_id, role)
+        finally:
+            await redis.aclose()
+
+    try:
+        done = asyncio.run(write())
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    console.print(f"{worker_id}: {done.role} ({done.pool})")
 
 
 @sessions_app.command("show")

@@ -28,6 +28,7 @@ from redis.backoff import NoBackoff
 from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.config import GatewayConfig
 from gateway.core import RoundCore, Signals, signal_series
+from gateway.elastic_live import ElasticLoop
 from gateway.exchange import PUBLIC_SCOPE, Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.outage import RedisHealth
@@ -75,25 +76,37 @@ class Gateway:
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
         self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s, self.health)
         self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
-        self.rounds = RoundRunner(
-            core, self.pool, self.queues, self.client, self.metrics, config.migration_limit,
-            RoundRecorder(core, self.redis, self.stats, self.sessions, RoundTracer(), self.metrics, self.health),
+        self.elastic = None
+        if policy.elastic is not None:
+            self.elastic = ElasticLoop(
+                policy.elastic, self.pool, self.queues, self.stats, self.redis, config.key_prefix, config.replica_id,
+                self.metrics, config.alpha, config.beta,
+            )  # fmt: skip
+        recorder = RoundRecorder(
+            core, self.redis, self.stats, self.sessions, RoundTracer(), self.metrics, self.health,
+            self.elastic.demand if self.elastic else None,
         )  # fmt: skip
+        self.rounds = RoundRunner(
+            core, self.pool, self.queues, self.client, self.metrics, config.migration_limit, recorder
+        )
         self.key_hashes = config.key_hashes
         self.tools = ToolRunner(config.redis_url, config.key_prefix)
-        self._refresher: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.refresh()
+        self._show_roles()
         self.queues.watch(self.pool.workers)
         await self.queues.start()
-        self._refresher = asyncio.create_task(self._refresh_forever(), name="pool-refresh")
+        self._tasks = [asyncio.create_task(self._refresh_forever(), name="pool-refresh")]
+        if self.elastic is not None:
+            self._tasks.append(asyncio.create_task(self.elastic.run_forever(self.slo_for), name="elastic"))
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.queues.stop()
         await self.client.close()
         self.tools.close()
@@ -103,7 +116,15 @@ class Gateway:
         while True:
             await asyncio.sleep(self.config.scrape_interval_s)
             await self.pool.refresh()
+            self._show_roles()
             self.queues.watch(self.pool.workers)
+
+    def _show_roles(self) -> None:
+        gauge = self.metrics.worker_role
+        gauge.clear()
+        for worker in self.pool.workers.values():
+            role = worker.assignment.role if worker.assignment is not None else worker.info.role
+            gauge.labels(worker.info.worker_id, role).set(1)
 
     # -- an exchange begins -----------------------------------------------------------------
     def authenticate(self, authorization: str | None) -> str:

@@ -67,6 +67,13 @@ class GatewayMetrics:
             registry=r,
         )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
+        self.worker_role = Gauge(
+            "ampd_worker_role", "1 for each engine's role: prefill, decode, mixed, or both (never assigned one).",
+            ["worker", "role"], registry=r,
+        )  # fmt: skip
+        self.role_moves = Counter(
+            "ampd_role_moves", "Engines the elastic controller moved to another role, by why.", ["reason"], registry=r
+        )
         self.sessions_active = Gauge(
             "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r
         )

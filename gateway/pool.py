@@ -24,6 +24,8 @@ import redis.asyncio as aioredis
 from gateway.binding import Arrivals, DecodeCandidate
 from gateway.config import StaticWorker
 from gateway.outage import REDIS_DOWN, RedisHealth
+from gateway.role_store import RoleStore
+from gateway.roles import Assignment
 from gateway.upstream import EngineClient, UpstreamError, WorkerLoad
 from perfmodel.profile import load_profile
 from workers.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
@@ -38,6 +40,17 @@ SLOW_SCRAPE_GRACE_S = HEARTBEAT_TTL_S
 class LiveWorker:
     info: WorkerInfo
     load: WorkerLoad
+    assignment: Assignment | None = None  # its role, where the gateway assigned one (gateway.roles)
+
+    @property
+    def binds(self) -> bool:
+        """Sessions may be bound to it."""
+        return self.info.decodes and (self.assignment is None or self.assignment.binds)
+
+    @property
+    def prefills_remote(self) -> bool:
+        """Other workers' sessions may prefill on it."""
+        return self.info.prefills and (self.assignment is None or self.assignment.prefills_remote)
 
 
 class WorkerPool:
@@ -50,6 +63,7 @@ class WorkerPool:
         health: RedisHealth,
     ) -> None:
         self.redis, self.prefix, self.static, self.client, self.health = redis, prefix, static, client, health
+        self.roles = RoleStore(redis, prefix)
         self.workers: dict[str, LiveWorker] = {}
         self._static_infos: dict[str, WorkerInfo] = {}
         self.arrivals = Arrivals()  # bound sessions' KV no scrape shows yet (gateway.binding)
@@ -75,19 +89,29 @@ class WorkerPool:
         ]
         infos = registered + recent + await self._static()
         loads = await asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True)
+        assigned = await self._roles([i.worker_id for i in infos if i.role == "both"])
         fresh: dict[str, LiveWorker] = {}
         for info, load in zip(infos, loads, strict=True):
             if not isinstance(load, BaseException):
-                fresh[info.worker_id] = LiveWorker(info, load)
+                fresh[info.worker_id] = LiveWorker(info, load, assigned.get(info.worker_id))
                 self._scraped_at[info.worker_id] = now
                 continue
             log.info("worker %s did not answer its scrape: %r", info.worker_id, load)
             known = self.workers.get(info.worker_id)
             slow = isinstance(load, UpstreamError) and not load.lost
             if known is not None and slow and now - self._scraped_at.get(info.worker_id, now) < SLOW_SCRAPE_GRACE_S:
-                fresh[info.worker_id] = LiveWorker(info, known.load)  # busy, not gone: its last load stands
+                fresh[info.worker_id] = LiveWorker(info, known.load, assigned.get(info.worker_id))  # busy, not gone
         self.workers = fresh
         self.arrivals.scraped(landed)
+
+    async def _roles(self, worker_ids: list[str]) -> dict:
+        """Roles the gateway assigned to engines that can take any (``both``); the last
+        known ones while Redis is away."""
+        try:
+            return await self.roles.load(worker_ids) if worker_ids else {}
+        except REDIS_DOWN as exc:
+            self.health.failed("roles", exc)
+            return {w.info.worker_id: w.assignment for w in self.workers.values() if w.assignment is not None}
 
     async def _static(self) -> list[WorkerInfo]:
         for spec in self.static:
@@ -108,13 +132,13 @@ class WorkerPool:
         return sorted({w.info.model for w in self.workers.values()})
 
     def decoders(self, model: str) -> list[LiveWorker]:
-        return [w for w in self.workers.values() if w.info.model == model and w.info.decodes and not w.info.draining]
+        return [w for w in self.workers.values() if w.info.model == model and w.binds and not w.info.draining]
 
     def prefillers(self, model: str, exclude: str) -> list[LiveWorker]:
         return [
             w
             for w in self.workers.values()
-            if w.info.model == model and w.info.prefills and not w.info.draining and w.info.worker_id != exclude
+            if w.info.model == model and w.prefills_remote and not w.info.draining and w.info.worker_id != exclude
         ]
 
     def get(self, worker_id: str) -> LiveWorker | None:
@@ -133,8 +157,3 @@ class WorkerPool:
         """Leave out a worker whose connection just failed, until its next good scrape."""
         self.workers.pop(worker_id, None)
         self.arrivals.forget(worker_id)
-
-    def serving(self, worker_id: str) -> LiveWorker | None:
-        """The worker if it takes new rounds (live and not draining)."""
-        worker = self.workers.get(worker_id)
-        return None if worker is None or worker.info.draining else worker

@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from gateway.api import APIError
 from gateway.core import Bound, Candidate, RoundCore, RoundPlan, RoundRecord, RoundResult, SessionState, Signals
+from gateway.elastic_live import DemandLog
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
@@ -99,7 +100,7 @@ class RoundRunner:
     def bind(self, state: SessionState | None, model: str, l_total: int, keeps_history: bool = True) -> Bound:
         """The session's decode worker (gateway.core.RoundCore.bind); a newly bound one
         expects the round's prompt. ``ValueError``: no decode worker is left."""
-        bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history)
+        bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history, holders=self.pool.workers)
         if bound.moved:
             self.pool.arrivals.expect(bound.state.decode_worker, l_total)
         return bound
@@ -230,9 +231,10 @@ class RoundRecorder:
         tracer: RoundTracer,
         metrics: GatewayMetrics,
         health: RedisHealth,
+        demand: DemandLog | None = None,
     ) -> None:
         self.core, self.redis, self.stats, self.sessions = core, redis, stats, sessions
-        self.tracer, self.metrics, self.health = tracer, metrics, health
+        self.tracer, self.metrics, self.health, self.demand = tracer, metrics, health, demand
 
     async def record(self, ex: Exchange, r: Round, reply: Reply) -> None:
         """What the core says the round changed: the session's state, the windowed
@@ -257,6 +259,9 @@ class RoundRecorder:
         async with self.redis.pipeline(transaction=False) as pipe:
             self.stats.record(pipe, closed.observations)
             self.sessions.record_round(pipe, session, asdict(closed.record))
+            if self.demand is not None:  # what the elastic controller forecasts from
+                completion = closed.record.completion_tokens
+                self.demand.add(pipe, r.plan.tokens, completion, task.l_total + completion, time.time())
             await self.health.execute(pipe, "round record")
         record = closed.record
         if record.ttft_s is not None:
@@ -278,5 +283,5 @@ class RoundRecorder:
 
 
 def _candidate(worker: LiveWorker) -> Candidate:
-    info = worker.info
-    return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk)
+    info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
+    return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk, colocates=mixed)

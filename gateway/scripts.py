@@ -10,6 +10,10 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
 * ``{p}:replica:{r}`` and channel ``{p}:ready:{r}`` - a replica's liveness and its dispatch
   notices (gateway.replicas)
 * ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
+* ``{p}:role:{w}`` - hash: role, since, draining of an engine; ``{p}:elastic:leader`` - the
+  lease of the replica whose controller moves engines; ``{p}:demand:{interval}`` - hash:
+  rounds, prefill, output and context tokens of the rounds finished in one controller
+  interval (gateway.role_store)
 """
 
 from __future__ import annotations
@@ -104,4 +108,14 @@ for i = 4, #ARGV, 2 do
   table.insert(out, count)
 end
 return out
+"""
+
+# Take or keep a lease. KEYS: lease. ARGV: holder, ttl in ms. Returns 1 if the holder has it.
+LEASE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
 """

@@ -1,0 +1,154 @@
+"""The elastic controller live: gateway.elastic's decisions, on Redis and the worker pool.
+
+One replica at a time - the holder of the leader lease (gateway.role_store) - runs the
+controller: every ``interval_s`` it reads the engines that can change role (registered
+as ``both``) as the controller wants them (role, queued prefill seconds, rounds running,
+KV usage, windowed ITL) and writes the moves it returns; every ``forecast_interval_s``
+it reads the demand of the interval just ended, which every replica adds its finished
+rounds to. Every replica applies the roles at its next pool refresh. Each model's
+engines have their own controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from gateway.core import ITL
+from gateway.elastic import Demand, ElasticConfig, ElasticController, EngineState
+from gateway.metrics import GatewayMetrics
+from gateway.outage import REDIS_DOWN
+from gateway.pool import LiveWorker, WorkerPool
+from gateway.prefill_queue import PrefillQueues
+from gateway.role_store import RoleStore
+from gateway.roles import Assignment, Role, initial, move, settle
+from gateway.stats import WindowedStats
+from perfmodel.slo import SLO
+
+log = logging.getLogger(__name__)
+
+
+class DemandLog:
+    """Finished rounds, added up per controller interval in Redis by every replica."""
+
+    def __init__(self, prefix: str, interval_s: float) -> None:
+        self.p, self.interval_s = prefix, interval_s
+
+    def _key(self, index: int) -> str:
+        return f"{self.p}:demand:{index}"
+
+    def add(self, pipe: aioredis.client.Pipeline, prefill: int, output: int, context: int, now: float) -> None:
+        key = self._key(math.floor(now / self.interval_s))
+        for name, value in (("rounds", 1), ("prefill", prefill), ("output", output), ("context", context)):
+            pipe.hincrby(key, name, value)
+        pipe.expire(key, round(4 * self.interval_s))
+
+    async def last(self, redis: aioredis.Redis, now: float) -> Demand:
+        """The demand of the interval that ended last."""
+        fields = await redis.hgetall(self._key(math.floor(now / self.interval_s) - 1))
+        n = int(fields.get("rounds", 0))
+        per = max(n, 1)
+        return Demand(n / self.interval_s, int(fields.get("prefill", 0)) / per,
+                      int(fields.get("output", 0)) / per, int(fields.get("context", 0)) / per)  # fmt: skip
+
+
+class ElasticLoop:
+    def __init__(
+        self,
+        config: ElasticConfig,
+        pool: WorkerPool,
+        queues: PrefillQueues,
+        stats: WindowedStats,
+        redis: aioredis.Redis,
+        prefix: str,
+        replica_id: str,
+        metrics: GatewayMetrics,
+        alpha: float,
+        beta: float,
+    ) -> None:
+        self.config, self.pool, self.queues, self.stats, self.redis = config, pool, queues, stats, redis
+        self.roles, self.replica_id, self.metrics = RoleStore(redis, prefix), replica_id, metrics
+        self.demand = DemandLog(prefix, config.forecast_interval_s)
+        self.alpha, self.beta = alpha, beta
+        self.controllers: dict[str, ElasticController] = {}
+
+    def controller(self, model: str, slo: SLO) -> ElasticController:
+        if model not in self.controllers:
+            self.controllers[model] = ElasticController(self.config, slo, self.alpha, self.beta)
+        return self.controllers[model]
+
+    async def run_forever(self, slo_for: Callable[[str], SLO]) -> None:
+        next_forecast = time.time() + self.config.forecast_interval_s
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                if not await self.roles.lead(self.replica_id):
+                    continue
+                now = time.time()
+                forecast = now >= next_forecast
+                if forecast:
+                    next_forecast = now + self.config.forecast_interval_s
+                for model in self.pool.models():
+                    await self._step(model, slo_for(model), now, forecast)
+            except REDIS_DOWN as exc:  # no shared roles meanwhile: the engines keep theirs
+                log.info("elastic controller paused: %r", exc)
+
+    async def _step(self, model: str, slo: SLO, now: float, forecast: bool) -> None:
+        workers = [w for w in self.pool.workers.values() if w.info.model == model and w.info.role == "both"]
+        if not workers:
+            return
+        engines = await self.engines(workers, now)
+        controller = self.controller(model, slo)
+        if forecast:
+            controller.observe(await self.demand.last(self.redis, now), engines)
+        for engine in engines:  # transitions whose old work is done
+            settled = settle(engine.assignment, self._busy(self.pool.workers[engine.worker_id], engine))
+            if settled != engine.assignment:
+                await self.roles.save(settled)
+        for chosen in controller.tick(now, engines):
+            current = next(e for e in engines if e.worker_id == chosen.worker_id)
+            busy = current.assignment.role in self._busy(self.pool.workers[chosen.worker_id], current)
+            await self.roles.save(move(current.assignment, chosen.role, now, busy))
+            self.metrics.role_moves.labels(chosen.reason).inc()
+            log.info("engine %s: %s -> %s (%s)", chosen.worker_id, current.assignment.role, chosen.role,
+                     chosen.reason)  # fmt: skip
+
+    async def engines(self, workers: list[LiveWorker], now: float) -> list[EngineState]:
+        ids = [w.info.worker_id for w in workers]
+        (costs, _), means = await asyncio.gather(self.queues.loads(ids), self.stats.means([(ITL, w) for w in ids]))
+        return [
+            EngineState(
+                w.assignment or initial(w.info.worker_id, "decode"),
+                w.info.profile,
+                w.info.speed,
+                costs.get(w.info.worker_id, 0.0),
+                w.load.running,
+                w.load.kv_usage,
+                means.get((ITL, w.info.worker_id)),
+            )  # fmt: skip
+            for w in workers
+        ]
+
+    @staticmethod
+    def _busy(worker: LiveWorker, engine: EngineState) -> set[Role]:
+        """The roles whose work it still has: prefills queued for it, or requests running."""
+        busy: set[Role] = set()
+        if engine.queue_cost_s > 0:
+            busy.add("prefill")
+        if worker.load.running:
+            busy |= {"decode", "mixed"}
+        return busy
+
+
+async def set_role(redis: aioredis.Redis, prefix: str, worker_id: str, role: str) -> Assignment:
+    """An operator's move (``ampd workers set``): takes effect at every replica's next refresh."""
+    store = RoleStore(redis, prefix)
+    current = (await store.load([worker_id])).get(worker_id) or initial(worker_id, "decode")
+    moved = move(current, role, time.time(), busy=False)  # type: ignore[arg-type]
+    await store.save(moved)
+    return moved
