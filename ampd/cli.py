@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Annotated
@@ -172,6 +173,9 @@ def gateway(
     itl_slo: Annotated[float | None, typer.Option(help="ITL threshold in seconds (default: scale x unloaded)")] = None,
     slo_scale: float = 5.0,
     itl_slo_metric: ItlRuleOption = "mean",
+    role_plan: Annotated[
+        str | None, typer.Option(envvar="AMPD_ROLE_PLAN", help="an elastic pool's split by load, JSON (`ampd plan`)")
+    ] = None,
     prefill_slots: int = 1,
     max_queue: int = 1024,
     api_key: Annotated[
@@ -195,6 +199,7 @@ def gateway(
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
     import uvicorn
+    from pydantic import ValidationError
 
     from gateway.app import create_app
     from gateway.config import GatewayConfig, StaticWorker
@@ -209,26 +214,34 @@ def gateway(
         if len(extra) > 1:
             fields["speed"] = float(extra[1])
         static.append(StaticWorker.model_validate(fields))
-    config = GatewayConfig(
-        redis_url=redis_url,
-        key_prefix=redis_prefix,
-        policy=policy,
-        alpha=alpha,
-        beta=beta,
-        reorder_window=reorder_window,
-        ttft_slo_s=ttft_slo,
-        itl_slo_s=itl_slo,
-        slo_scale=slo_scale,
-        itl_slo_metric=itl_slo_metric,
-        prefill_slots=prefill_slots,
-        max_queue=max_queue,
-        api_keys=tuple(api_key or ()),
-        static_workers=tuple(static),
-        server_tools=tuple(t for t in server_tools.split(",") if t),
-        max_tool_rounds=max_tool_rounds,
-        migration_limit=migration_limit,
-        log_content=log_content,
-    )
+    try:
+        plan = json.loads(role_plan) if role_plan else None
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"--role-plan is not JSON: {exc}") from exc
+    try:
+        config = GatewayConfig(
+            redis_url=redis_url,
+            key_prefix=redis_prefix,
+            policy=policy,
+            alpha=alpha,
+            beta=beta,
+            reorder_window=reorder_window,
+            ttft_slo_s=ttft_slo,
+            itl_slo_s=itl_slo,
+            slo_scale=slo_scale,
+            itl_slo_metric=itl_slo_metric,
+            role_plan=plan,
+            prefill_slots=prefill_slots,
+            max_queue=max_queue,
+            api_keys=tuple(api_key or ()),
+            static_workers=tuple(static),
+            server_tools=tuple(t for t in server_tools.split(",") if t),
+            max_tool_rounds=max_tool_rounds,
+            migration_limit=migration_limit,
+            log_content=log_content,
+        )
+    except ValidationError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     if log_content:
         import logging
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.elastic import RolePlan
 from gateway.policies import POLICIES
 from perfmodel.slo import ItlRule
 from tools_sandbox.registry import TOOLS
@@ -44,6 +45,9 @@ class GatewayConfig(BaseModel):
         description="how a round's ITL meets its SLO (mean, p95 or max gap); tail-aware policies read it",
     )
     routing_seed: int | None = None
+    role_plan: RolePlan | None = Field(
+        default=None, description="an elastic pool's planned split by load (`ampd plan --policy elastic`)"
+    )
 
     prefill_slots: int = Field(default=1, ge=1, description="prefill tasks in flight per worker")
     max_queue: int = Field(default=1024, ge=1, description="queued prefills per worker before 429")
@@ -80,6 +84,12 @@ class GatewayConfig(BaseModel):
         if value not in POLICIES:
             raise ValueError(f"unknown policy {value!r}; one of {', '.join(POLICIES)}")
         return value
+
+    @model_validator(mode="after")
+    def _plan_needs_elastic(self) -> GatewayConfig:
+        if self.role_plan is not None and POLICIES[self.policy].elastic is None:
+            raise ValueError(f"a role plan steers an elastic policy, not {self.policy!r}")
+        return self
 
     @property
     def key_hashes(self) -> frozenset[str]:

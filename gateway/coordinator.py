@@ -80,7 +80,7 @@ class Gateway:
         if policy.elastic is not None:
             self.elastic = ElasticLoop(
                 policy.elastic, self.pool, self.queues, self.stats, self.redis, config.key_prefix, config.replica_id,
-                self.metrics, config.alpha, config.beta,
+                self.metrics, config.alpha, config.beta, config.role_plan,
             )  # fmt: skip
         recorder = RoundRecorder(
             core, self.redis, self.stats, self.sessions, RoundTracer(), self.metrics, self.health,

@@ -4,9 +4,9 @@ One replica at a time - the holder of the leader lease (gateway.role_store) - ru
 controller: every ``interval_s`` it reads the engines that can change role (registered
 as ``both``) as the controller wants them (role, queued prefill seconds, rounds running,
 KV usage, windowed ITL) and writes the moves it returns; every ``forecast_interval_s``
-it reads the demand of the interval just ended, which every replica adds its finished
-rounds to. Every replica applies the roles at its next pool refresh. Each model's
-engines have their own controller.
+it reads the demand of the interval just ended, which every replica adds its rounds
+to. Every replica applies the roles at its next pool refresh. Each model's engines have
+their own controller; a role plan applies to each.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from gateway.core import ITL
-from gateway.elastic import Demand, ElasticConfig, ElasticController, EngineState
+from gateway.elastic import Demand, ElasticConfig, ElasticController, EngineState, RolePlan
 from gateway.metrics import GatewayMetrics
 from gateway.outage import REDIS_DOWN
 from gateway.pool import LiveWorker, WorkerPool
@@ -34,27 +34,32 @@ log = logging.getLogger(__name__)
 
 
 class DemandLog:
-    """Finished rounds, added up per controller interval in Redis by every replica."""
+    """The load of each controller interval in Redis, added to by every replica: rounds as
+    they arrive (the load offered, which finished rounds understate under overload), and
+    their output as they finish."""
 
     def __init__(self, prefix: str, interval_s: float) -> None:
         self.p, self.interval_s = prefix, interval_s
 
-    def _key(self, index: int) -> str:
-        return f"{self.p}:demand:{index}"
+    def _key(self, now: float) -> str:
+        return f"{self.p}:demand:{math.floor(now / self.interval_s)}"
 
-    def add(self, pipe: aioredis.client.Pipeline, prefill: int, output: int, context: int, now: float) -> None:
-        key = self._key(math.floor(now / self.interval_s))
-        for name, value in (("rounds", 1), ("prefill", prefill), ("output", output), ("context", context)):
+    def _add(self, pipe: aioredis.client.Pipeline, now: float, **counts: int) -> None:
+        key = self._key(now)
+        for name, value in counts.items():
             pipe.hincrby(key, name, value)
         pipe.expire(key, round(4 * self.interval_s))
 
+    def arrived(self, pipe: aioredis.client.Pipeline, prefill: int, context: int, now: float) -> None:
+        self._add(pipe, now, rounds=1, prefill=prefill, context=context)
+
+    def finished(self, pipe: aioredis.client.Pipeline, output: int, now: float) -> None:
+        self._add(pipe, now, finished=1, output=output)
+
     async def last(self, redis: aioredis.Redis, now: float) -> Demand:
         """The demand of the interval that ended last."""
-        fields = await redis.hgetall(self._key(math.floor(now / self.interval_s) - 1))
-        n = int(fields.get("rounds", 0))
-        per = max(n, 1)
-        return Demand(n / self.interval_s, int(fields.get("prefill", 0)) / per,
-                      int(fields.get("output", 0)) / per, int(fields.get("context", 0)) / per)  # fmt: skip
+        fields = {k: int(v) for k, v in (await redis.hgetall(self._key(now - self.interval_s))).items()}
+        return Demand.of(self.interval_s, **fields)
 
 
 class ElasticLoop:
@@ -70,16 +75,17 @@ class ElasticLoop:
         metrics: GatewayMetrics,
         alpha: float,
         beta: float,
+        plan: RolePlan | None = None,
     ) -> None:
         self.config, self.pool, self.queues, self.stats, self.redis = config, pool, queues, stats, redis
         self.roles, self.replica_id, self.metrics = RoleStore(redis, prefix), replica_id, metrics
         self.demand = DemandLog(prefix, config.forecast_interval_s)
-        self.alpha, self.beta = alpha, beta
+        self.alpha, self.beta, self.plan = alpha, beta, plan
         self.controllers: dict[str, ElasticController] = {}
 
     def controller(self, model: str, slo: SLO) -> ElasticController:
         if model not in self.controllers:
-            self.controllers[model] = ElasticController(self.config, slo, self.alpha, self.beta)
+            self.controllers[model] = ElasticController(self.config, slo, self.alpha, self.beta, self.plan)
         return self.controllers[model]
 
     async def run_forever(self, slo_for: Callable[[str], SLO]) -> None:

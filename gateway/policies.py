@@ -63,8 +63,8 @@ POLICIES: dict[str, Policy] = {
         Policy("dynamo-conditional-isl-or-load", ConditionalDisagg("isl_or_load"), "fifo"),
         Policy("uncached-threshold", UncachedThreshold(256), "fifo"),
         Policy("elastic", tail_aware_route, "reorder", elastic=ElasticConfig()),
-        Policy("elastic-arrow", tail_aware_route, "reorder", elastic=ElasticConfig(dopd=False)),
-        Policy("elastic-dopd", tail_aware_route, "reorder", elastic=ElasticConfig(arrow=False)),
+        Policy("elastic-arrow", tail_aware_route, "reorder", elastic=ElasticConfig(dopd=False, planned=False)),
+        Policy("elastic-dopd", tail_aware_route, "reorder", elastic=ElasticConfig(arrow=False, planned=False)),
     ]
 }
 

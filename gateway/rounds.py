@@ -124,6 +124,7 @@ class RoundRunner:
     async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
         """Queue, prefill and decode one round; yields what the client gets of it."""
         plan, times = r.plan, r.times
+        await self.recorder.arrived(r)
         async with Holds(self.queues, self.pool, r) as holds:
             try:
                 dispatched = await self.queues.submit(
@@ -236,6 +237,14 @@ class RoundRecorder:
         self.core, self.redis, self.stats, self.sessions = core, redis, stats, sessions
         self.tracer, self.metrics, self.health, self.demand = tracer, metrics, health, demand
 
+    async def arrived(self, r: Round) -> None:
+        """A round arrived: the load the elastic controller forecasts from, where it runs."""
+        if self.demand is None:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            self.demand.arrived(pipe, r.plan.tokens, r.plan.task.l_total, time.time())
+            await self.health.execute(pipe, "round demand")
+
     async def record(self, ex: Exchange, r: Round, reply: Reply) -> None:
         """What the core says the round changed: the session's state, the windowed
         statistics, the round's record (``GET /v1/sessions/{id}``) and its spans."""
@@ -260,8 +269,7 @@ class RoundRecorder:
             self.stats.record(pipe, closed.observations)
             self.sessions.record_round(pipe, session, asdict(closed.record))
             if self.demand is not None:  # what the elastic controller forecasts from
-                completion = closed.record.completion_tokens
-                self.demand.add(pipe, r.plan.tokens, completion, task.l_total + completion, time.time())
+                self.demand.finished(pipe, closed.record.completion_tokens, time.time())
             await self.health.execute(pipe, "round record")
         record = closed.record
         if record.ttft_s is not None:

@@ -50,7 +50,7 @@ from gateway.core import (
     SessionState,
     Signals,
 )
-from gateway.elastic import Demand, ElasticController, EngineState, Move
+from gateway.elastic import Demand, ElasticController, EngineState, Move, RolePlan
 from gateway.policies import POLICIES
 from gateway.reordering import QueuedTask
 from gateway.roles import Assignment, Role, settle
@@ -97,6 +97,7 @@ class SimConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     decode_prefill_chunk: int = 0  # decode workers' long_prefill_token_threshold (0: no cap)
     initial_prefill: int = 0  # an elastic pool (``decode``, no ``prefill``): engines that start as prefill
+    role_plan: RolePlan | None = None  # an elastic pool's planned split by load (gateway.elastic)
     max_decode_steps: int = 64  # fused decode steps per event; results do not depend on it
 
 
@@ -164,22 +165,25 @@ class RoundState:
 
 @dataclass
 class _Interval:
-    """The rounds started since the last forecast, for its demand (gateway.elastic.Demand)."""
+    """The rounds of one forecast interval, counted as live (gateway.elastic_live.DemandLog)."""
 
     rounds: int = 0
-    prefill_tokens: int = 0
-    output_tokens: int = 0
-    context_tokens: int = 0
+    prefill: int = 0
+    context: int = 0
+    finished: int = 0
+    output: int = 0
 
-    def add(self, prefill: int, output: int, context: int) -> None:
+    def arrived(self, prefill: int, context: int) -> None:
         self.rounds += 1
-        self.prefill_tokens += prefill
-        self.output_tokens += output
-        self.context_tokens += context
+        self.prefill += prefill
+        self.context += context
+
+    def done(self, output: int) -> None:
+        self.finished += 1
+        self.output += output
 
     def demand(self, seconds: float) -> Demand:
-        n = max(self.rounds, 1)
-        return Demand(self.rounds / seconds, self.prefill_tokens / n, self.output_tokens / n, self.context_tokens / n)
+        return Demand.of(seconds, self.rounds, self.prefill, self.context, self.finished, self.output)
 
 
 # -- the report ---------------------------------------------------------------------------
@@ -281,7 +285,7 @@ class Simulation:
         self.core = RoundCore(policy, config.alpha, config.beta, config.window, rng, config.itl_rule)
         self.stats = WindowedMeans(config.stats_window_s)
         self.controller = None if policy.elastic is None else ElasticController(
-            policy.elastic, config.slo, config.alpha, config.beta
+            policy.elastic, config.slo, config.alpha, config.beta, config.role_plan
         )  # fmt: skip
         if self.controller is not None:  # one pool; roles change with the load
             engines = [self._worker(f"engine-{i}", "decode", config.decode.profile)
@@ -357,7 +361,7 @@ class Simulation:
         prefills, signals = [p.candidate for p in self.prefillers], self._signals(decode)
         candidate = replace(decode.candidate, colocates=True) if decode.assignment.colocates else decode.candidate
         plan = self.core.plan(state, f"t{next(self._ids)}", l_total, now, candidate, prefills, signals, self.config.slo)
-        self.interval.add(plan.tokens, spec.output_tokens, l_total + spec.output_tokens)
+        self.interval.arrived(plan.tokens, l_total)  # what the elastic controller forecasts from, as live
         decode.decoding += 1
         task = plan.task
         output_plan = self._fresh_tokens(session, spec.output_tokens)
@@ -561,6 +565,7 @@ class Simulation:
         )
         closed = self.core.close(session.trace.session_id, session.state, plan, result, self.config.slo)
         self.workers[session.state.decode_worker].decoding -= 1
+        self.interval.done(request.num_output_tokens)
         for o in closed.observations:
             self.stats.record(o, self.now)
         self.records.append(closed.record)

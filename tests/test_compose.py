@@ -125,7 +125,15 @@ def test_telemetry_wiring_points_at_services_that_exist():
 
 
 @pytest.mark.parametrize(
-    "metric", ["ampd_ttft_seconds", "ampd_itl_seconds", "ampd_route_total", "ampd_slo_rounds_total"]
+    "metric",
+    [
+        "ampd_ttft_seconds",
+        "ampd_itl_seconds",
+        "ampd_route_total",
+        "ampd_slo_rounds_total",
+        "ampd_worker_role",
+        "ampd_role_moves_total",
+    ],  # fmt: skip
 )
 def test_the_dashboard_charts_what_the_gateway_exports(metric):
     dashboard = json.loads((ROOT / "deploy/grafana/dashboards/ampd.json").read_text())

@@ -7,7 +7,16 @@ import pytest
 
 from gateway.binding import DecodeCandidate
 from gateway.core import RoundCore, SessionState
-from gateway.elastic import Demand, ElasticConfig, ElasticController, EngineState, balanced_split, forecast
+from gateway.elastic import (
+    Demand,
+    ElasticConfig,
+    ElasticController,
+    EngineState,
+    RolePlan,
+    RoleStep,
+    balanced_split,
+    forecast,
+)
 from gateway.policies import POLICIES
 from gateway.roles import Assignment, move, settle
 from perfmodel.profile import load_profile
@@ -121,3 +130,51 @@ def test_shaped_traces_follow_their_rate(kind):
         assert not gaia
     with pytest.raises(ValueError):
         Shape(kind, 100.0, 2.0, 1.0)
+
+
+PLAN = RolePlan(
+    (
+        RoleStep(1.0, {0: 0.99, 1: 0.97, 3: 0.99}),
+        RoleStep(2.0, {0: 0.80, 1: 0.60, 3: 0.98}),
+        RoleStep(3.0, {0: 0.40, 1: 0.10, 3: 0.05}),
+    )
+)
+
+
+def test_a_role_plan_interpolates_between_loads_and_moves_only_for_a_gain_per_engine():
+    assert PLAN.attainment(0.5) == PLAN.steps[0].attainment  # below the lightest load: its splits
+    assert PLAN.attainment(1.5) == pytest.approx({0: 0.895, 1: 0.785, 3: 0.985})
+    assert PLAN.target(1.5) == 3  # nothing to keep: the best outright
+    assert PLAN.target(1.5, current=0) == 0  # +9 points is not +5 per engine for three engines
+    assert PLAN.target(2.0, current=0) == 3  # +18 points for three engines is
+    assert PLAN.target(2.9, current=3) == 0 and PLAN.target(2.9, current=2) == 0  # unplanned split: the best
+    with pytest.raises(ValueError, match="rising load"):
+        RolePlan((PLAN.steps[1], PLAN.steps[0]))
+    with pytest.raises(ValueError):
+        RolePlan(())
+
+
+def test_with_a_plan_the_forecast_moves_the_pool_and_the_slo_triggers_stand_down():
+    """Arrow's triggers assume engines that do one phase; under AMPD's routing the plan's
+    splits have priced them in. Only a full KV cache still moves an engine at once."""
+    planned = ElasticController(ElasticConfig(), SLO_, plan=PLAN)
+    late = [engine(f"d{i}", "decode", windowed_itl=0.02, kv_usage=0.2, queue_cost_s=5.0) for i in range(4)]
+    assert planned.tick(100.0, late) == []  # prefill is late, but the plan has not asked for a split
+    busy = Demand(rounds_per_s=2.0, prefill_tokens=900, output_tokens=60, context_tokens=1500)
+    planned.observe(busy, late)
+    assert planned.target_prefill == 3
+    assert [(m.role, m.reason) for m in planned.tick(100.0, late)] == [("prefill", "forecast")]
+    full = [engine("p0", "prefill"), engine("d0", "decode", kv_usage=0.95)]
+    assert [(m.role, m.reason) for m in ElasticController(ElasticConfig(), SLO_, plan=PLAN).tick(100.0, full)] == [
+        ("decode", "decode-kv")
+    ]
+
+
+def test_the_pool_does_not_move_back_before_the_dwell():
+    controller = ElasticController(ElasticConfig(dopd=False), SLO_)
+    late = [engine("p0", "prefill", queue_cost_s=3.0), engine("d0", "decode", windowed_itl=0.01),
+            engine("d1", "decode", windowed_itl=0.01)]  # fmt: skip
+    assert [m.role for m in controller.tick(100.0, late)] == ["prefill"]
+    slow = [engine("p0", "prefill"), engine("d1", "prefill"), engine("d0", "decode", windowed_itl=0.2)]
+    assert controller.tick(110.0, slow) == []  # decode over its ITL, but the last move went the other way
+    assert [m.role for m in controller.tick(121.0, slow)] == ["decode"]

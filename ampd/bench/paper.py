@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -45,6 +45,7 @@ from ampd.bench.sweep import SweepPoint
 from perfmodel.catalog import TP_DEGREES
 from perfmodel.slo import SLO, ItlRule
 from planner.plan import ProfileBook, plan
+from planner.role_plan import PoolPlan, elastic_config, pools, split_ladder
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import WORKLOADS, TraceSession, generate
 
@@ -68,8 +69,8 @@ DEFAULT_RULES: tuple[ItlRule, ...] = ("mean", "p95")
 DEFAULT_SCALES = (3.0, 5.0)
 SPLIT = ("ampd", "ampd-tail", "disagg", "dynamo-conditional", "uncached-threshold")
 COLOCATED = ("coloc", "continuum")
-POLICIES = SPLIT + COLOCATED
-OURS = ("ampd", "ampd-tail")
+POLICIES = ("elastic", *SPLIT, *COLOCATED)
+OURS = ("elastic", "ampd", "ampd-tail")
 BASELINES = ("coloc", "disagg", "dynamo-conditional", "uncached-threshold", "continuum")
 SENSITIVITY = {"window": (2, 3, 4, 5), "alpha": (0.7, 0.8, 0.9, 1.0), "beta": (0.7, 0.8, 0.85, 0.9, 1.0)}
 
@@ -126,6 +127,31 @@ def simulate_and_judge(config: SimConfig, trace: Sequence[TraceSession], judges:
     return report, [report.attainment(slo, rule) for slo, rule in judges]
 
 
+def grid_plans(
+    book: ProfileBook,
+    gpu: str,
+    workload: str,
+    rates: Sequence[float],
+    sessions: int,
+    cells: Sequence[Cell],
+    seed: int,
+    submit: Callable[[SimConfig, Sequence[TraceSession]], Future],
+) -> dict[tuple[Cell, int], PoolPlan]:
+    """The elastic policy's plan for each pool (TP degree) in each cell: planner.role_plan
+    on another draw of the trace (``seed + 1``) at the grid's rates."""
+    planning = generate(WORKLOADS[workload], sessions, rates[0], seed + 1)
+
+    def run(configs: Sequence[SimConfig], traces: Sequence[Sequence[TraceSession]]) -> list[SimReport]:
+        return [f.result() for f in [submit(c, t) for c, t in zip(configs, traces, strict=True)]]
+
+    plans = {}
+    for cell in cells:
+        slo = trace_slo(book, gpu, workload, cell.scale)
+        for p in pools(book, planning, gpu, PAPER_GPUS[workload], slo, cell.rule, rates, run, seed + 1):
+            plans[(cell, p.tp)] = p
+    return plans
+
+
 def run_trace(
     book: ProfileBook,
     gpu: str,
@@ -142,23 +168,35 @@ def run_trace(
     scales = sorted({c.scale for c in cells})
     slos = {scale: trace_slo(book, gpu, workload, scale) for scale in scales}
     tail_rules = sorted({c.rule for c in cells} - {"mean"})
+    shapes = [gpus // n for n in degrees_dividing(book, gpu, gpus)]
+    planning = len(cells) * len(rates) * sum(len(split_ladder(n)) for n in shapes)
     per_rate = (3 * len(splits) + len(COLOCATED) * len(together)) + len(scales) * len(splits) * (1 + len(tail_rules))
-    task = progress.add_task(f"{workload} ({gpus} GPUs)", total=len(rates) * per_rate) if progress else None
+    per_rate += len(cells) * len(shapes)
+    total = planning + len(rates) * per_rate
+    task = progress.add_task(f"{workload} ({gpus} GPUs)", total=total) if progress else None
     judges = [(slos[c.scale], c.rule) for c in cells]
     points: list[GridPoint] = []
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+
+        def submit(config: SimConfig, trace: Sequence[TraceSession], judged: bool = False) -> Future:
+            future = pool.submit(simulate_and_judge, config, trace, judges) if judged else pool.submit(
+                simulate, config, trace
+            )  # fmt: skip
+            if progress is not None and task is not None:
+                future.add_done_callback(lambda _: progress.advance(task))
+            return future
+
+        plans = grid_plans(book, gpu, workload, rates, sessions, cells, seed, submit)
         for rate in rates:
             trace = generate(WORKLOADS[workload], sessions, rate, seed)
+            rounds = sum(len(s.rounds) for s in trace) / len(trace)
 
             def run(
                 policy: str, prefill: Pool | None, decode: Pool, scale: float, rule: ItlRule = "mean", trace=trace
             ) -> Future:
                 config = SimConfig(decode=decode, prefill=prefill, slo=slos[scale], policy=policy, seed=seed,
                                    itl_rule=rule)  # fmt: skip
-                future = pool.submit(simulate_and_judge, config, trace, judges)
-                if progress is not None and task is not None:
-                    future.add_done_callback(lambda _: progress.advance(task))
-                return future
+                return submit(config, trace, judged=True)
 
             # (policy, the scale it decided by or None, the rule it decided by or None) -> runs
             runs: dict[tuple[str, float | None, str | None], list[Future]] = {}
@@ -170,13 +208,19 @@ def run_trace(
                 runs[("ampd", scale, None)] = [run("ampd", p, d, scale) for p, d in splits]
                 for rule in tail_rules:
                     runs[("ampd-tail", scale, rule)] = [run("ampd-tail", p, d, scale, rule) for p, d in splits]
+            for cell in cells:  # each pool, starting from its plan's split for the rate
+                runs[("elastic", cell.scale, cell.rule)] = [
+                    submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, rate, rounds, seed=seed),
+                           trace, judged=True)
+                    for (planned, _), plan in plans.items() if planned == cell
+                ]  # fmt: skip
             done = {key: [f.result() for f in futures] for key, futures in runs.items()}
             for index, cell in enumerate(cells):
                 for policy in POLICIES:
                     if policy == "ampd-tail" and cell.rule == "mean":  # ampd, decision for decision
                         key = ("ampd", cell.scale, None)
-                    elif policy == "ampd-tail":
-                        key = ("ampd-tail", cell.scale, cell.rule)
+                    elif policy in ("ampd-tail", "elastic"):
+                        key = (policy, cell.scale, cell.rule)
                     else:
                         key = (policy, cell.scale if policy == "ampd" else None, None)
                     report, attainments = max(done[key], key=lambda run: (run[1][index], -(run[0].ttft.p95_s or 0)))
@@ -215,6 +259,26 @@ def winners(points: Sequence[SweepPoint]) -> dict[tuple[str, float], list[str]]:
         top = max(p.slo_attainment_rounds for p in here)
         best[key] = [p.policy for p in here if p.slo_attainment_rounds >= top - 1e-12]
     return best
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """At one point: elastic's attainment less the best other policy's (on its best deployment)."""
+
+    workload: str
+    rate: float
+    gap: float
+    best: str  # the best other policy
+
+
+def elastic_shortfalls(points: Sequence[SweepPoint]) -> list[Shortfall]:
+    out = []
+    for key in dict.fromkeys((p.workload, p.rate) for p in points):
+        here = [p for p in points if (p.workload, p.rate) == key]
+        ours = next(p.slo_attainment_rounds for p in here if p.policy == "elastic")
+        best = max((p for p in here if p.policy != "elastic"), key=lambda p: p.slo_attainment_rounds)
+        out.append(Shortfall(*key, ours - best.slo_attainment_rounds, best.policy))
+    return out
 
 
 CHUNKS = (0, 64, 256)  # decode workers' long_prefill_token_threshold in the ablation
@@ -315,15 +379,21 @@ def summary_table(points: Sequence[GridPoint], cells: Sequence[Cell]) -> list[st
     """Per cell: the winner at each point, and ours' average improvement over each baseline."""
     shown = [b for b in BASELINES if b != "continuum"]
     lines = [
-        "| cell | winner at each point | " + " | ".join(f"{o} vs {b}" for o in OURS for b in shown) + " |",
-        "|" + " --- |" * (2 + len(OURS) * len(shown)),
-    ]
+        "| cell | winner at each point | " + " | ".join(f"{o} vs {b}" for o in OURS for b in shown)
+        + " | elastic within 1 point of the best other | elastic's worst shortfall |",
+        "|" + " --- |" * (4 + len(OURS) * len(shown)),
+    ]  # fmt: skip
     for cell in cells:
         mine = cell_points(points, cell)
         won = "; ".join(f"{SHORT[w]} {r:g}: {'/'.join(ps) if len(ps) < len(POLICIES) else 'all tie'}"
                         for (w, r), ps in winners(mine).items())  # fmt: skip
         gains = [_pct(improvement(mine, b, o).average) for o in OURS for b in shown]
-        lines.append(f"| {cell.label} | {won} | " + " | ".join(gains) + " |")
+        short = elastic_shortfalls(mine)
+        worst = min(short, key=lambda x: x.gap)
+        within = f"{sum(x.gap >= -0.01 for x in short)} of {len(short)}"
+        lines.append(f"| {cell.label} | {won} | " + " | ".join(gains)
+                     + f" | {within} | {worst.gap * 100:+.1f} points ({SHORT[worst.workload]} {worst.rate:g}, "
+                     f"{worst.best}) |")  # fmt: skip
     return lines
 
 
@@ -362,6 +432,9 @@ def markdown(
                     gaps = f"{_ms(p.itl_mean_s)} / {_ms(p.itl_p95_gap_mean_s)} / {_ms(p.itl_max_gap_mean_s)}"
                     lines.append(f"- {rate:g}/s `{policy}`: TTFT {ttft}; gaps {gaps}; {p.deployment}")
             lines.append("")
+        lines += ["Elastic against the best other policy at each point (points of attainment): "
+                  + "; ".join(f"{SHORT[x.workload]} {x.rate:g} {x.gap * 100:+.1f} ({x.best})"
+                              for x in elastic_shortfalls(mine)), ""]  # fmt: skip
         lines += ["| relative improvement | " + " | ".join(BASELINES) + " |", "|" + " --- |" * (len(BASELINES) + 1)]
         for ours in OURS:
             imps = [improvement(mine, b, ours) for b in BASELINES]
@@ -482,6 +555,7 @@ def write(
                     {"workload": w, "rate": r, "policies": ps} for (w, r), ps in winners(cell_points(points, c)).items()
                 ],
                 "improvements": [asdict(improvement(cell_points(points, c), b, o)) for o in OURS for b in BASELINES],
+                "elastic_shortfalls": [asdict(x) for x in elastic_shortfalls(cell_points(points, c))],
             }  # fmt: skip
             for c in cells
         ],

@@ -48,7 +48,13 @@ class SweepPoint:
         cls, workload: str, rate: float, report: SimReport, slo: SLO | None = None, rule: ItlRule | None = None
     ) -> SweepPoint:
         """The point as ``report`` judged it, or judged again by ``slo`` and ``rule``."""
-        deployment = f"D {report.decode}" if report.prefill == "none" else f"P {report.prefill} + D {report.decode}"
+        if report.roles:  # an elastic pool: its roles over time are in the report
+            start = report.roles[0].prefill
+            deployment = f"pool {report.decode}, {start} prefill at first, {report.moves} moves"
+        elif report.prefill == "none":
+            deployment = f"D {report.decode}"
+        else:
+            deployment = f"P {report.prefill} + D {report.decode}"
         rule = rule or report.itl_rule
         attainment = report.slo_attainment_by_rule[rule] if slo is None else report.attainment(slo, rule)
         return cls(
