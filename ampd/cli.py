@@ -264,21 +264,41 @@ def up(
     decode_port: int = 8102,
     profile: str = DEFAULT_PROFILE,
     speed: float = 1.0,
-    policy: Annotated[str | None, typer.Option(help="default: the deployment's, else ampd")] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="default: the deployment's, else ampd (elastic with --pool)")
+    ] = None,
+    pool: Annotated[
+        int, typer.Option(help="instead of a prefill and a decode worker: this many whose roles the gateway assigns")
+    ] = 0,
     deployment: Annotated[Path | None, typer.Option(help="worker pools from `ampd plan` (deployment.json)")] = None,
 ) -> None:
     """Start the local stack: Redis, GPU-free prefill and decode workers, a tools worker, the gateway."""
-    from ampd.stack import run_stack
-    from planner.plan import load_deployment
+    from pydantic import ValidationError
 
-    workers = [("prefill", profile), ("decode", profile)]
+    from ampd.stack import run_stack
+    from planner.plan import load_deployment, role_plan_json
+
+    workers = [("both", profile)] * pool if pool > 0 else [("prefill", profile), ("decode", profile)]
+    policy = policy or ("elastic" if pool > 0 else None)
+    gateway_args = []
     if deployment is not None:
-        plan = load_deployment(deployment)
-        workers = [("prefill", plan.prefill.profile)] * plan.prefill.replicas
-        workers += [("decode", plan.decode.profile)] * plan.decode.replicas
+        try:
+            plan = load_deployment(deployment)
+        except (OSError, ValidationError) as exc:
+            raise typer.BadParameter(f"{deployment}: {exc}") from exc
+        if plan.pool is not None:
+            workers = [("both", plan.pool.profile)] * plan.pool.replicas
+        else:
+            assert plan.prefill is not None and plan.decode is not None  # the file's validator sees to it
+            workers = [("prefill", plan.prefill.profile)] * plan.prefill.replicas
+            workers += [("decode", plan.decode.profile)] * plan.decode.replicas
+        if plan.role_plan is not None:
+            gateway_args = ["--role-plan", role_plan_json(plan.role_plan)]
         policy = policy or plan.policy
     raise typer.Exit(
-        run_stack(console, redis_url, gateway_port, prefill_port, decode_port, workers, speed, policy or "ampd")
+        run_stack(
+            console, redis_url, gateway_port, prefill_port, decode_port, workers, speed, policy or "ampd", gateway_args
+        )  # fmt: skip
     )
 
 

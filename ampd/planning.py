@@ -150,7 +150,12 @@ def simulate_command(
     pool: Annotated[
         str | None, typer.Option(help="an elastic policy's engines, TPxN: their roles change with the load")
     ] = None,
-    initial_prefill: Annotated[int, typer.Option(help="engines of --pool that start as prefill")] = 0,
+    initial_prefill: Annotated[
+        int | None, typer.Option(help="engines of --pool that start as prefill; default: the role plan's, else 0")
+    ] = None,
+    role_plan: Annotated[
+        str | None, typer.Option(envvar="AMPD_ROLE_PLAN", help="--pool's split by load, JSON (`ampd plan`)")
+    ] = None,
     policy: PolicyOption = "ampd",
     profile: ProfilesOption = None,
     slo_scale: float = DEFAULT_SCALE,
@@ -164,7 +169,11 @@ def simulate_command(
     out: Annotated[Path | None, typer.Option(help="write the report as JSON here")] = None,
 ) -> None:
     """Discrete-event simulation of a deployment on the gateway's and the engine's own cores."""
+    from pydantic import TypeAdapter
+
+    from gateway.elastic import RolePlan
     from planner.plan import parse_pool
+    from planner.role_plan import opening_load
     from planner.simulator import Pool, SimConfig, simulate
 
     if policy not in POLICIES:
@@ -182,14 +191,20 @@ def simulate_command(
             if spec and spec.lower() != "none":
                 tp, dp = parse_pool(spec)
                 pools[phase] = Pool(book.get(gpu, tp), dp)
+        plan = TypeAdapter(RolePlan).validate_json(role_plan) if role_plan else None
+        if plan is not None and not elastic:
+            raise ValueError(f"a role plan steers an elastic policy, not {policy!r}")
+        if initial_prefill is None:
+            initial_prefill = plan.target(opening_load(sessions)) if plan else 0
         if not 0 <= initial_prefill < pools["decode"].replicas:
             raise ValueError("--initial-prefill must leave the pool at least one decode engine")
         slo = slo_for(book, gpu, slo_scale, ttft_slo_s, itl_slo_s)
-    except ValueError as exc:
+    except ValueError as exc:  # pydantic's ValidationError too
         raise fail(str(exc)) from exc
     config = SimConfig(
         decode=pools["decode"], prefill=pools.get("prefill"), slo=slo, policy=policy, seed=seed,
         itl_rule=itl_slo_metric, decode_prefill_chunk=decode_prefill_chunk, initial_prefill=initial_prefill,
+        role_plan=plan,
     )  # fmt: skip
     with console.status(f"simulating {len(sessions):,} sessions"):
         report = simulate(config, sessions)
@@ -221,16 +236,25 @@ def plan_command(
     out: Annotated[Path, typer.Option(help="deployment file to write (and its .env twin)")] = Path("deployment.json"),
     report: Annotated[Path | None, typer.Option(help="write the ranking and taus as JSON here")] = None,
 ) -> None:
-    """Pick TP and DP for each phase: simulated taus, then Eq. 5 solved with SCIP."""
+    """Pick TP and DP for each phase (simulated taus, then Eq. 5 solved with SCIP); for an
+    elastic policy, the pool and its split at each load (simulated)."""
     from perfmodel.profile import shipped_profiles
     from planner import plan as planning
 
+    if policy not in POLICIES:
+        raise fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
     try:
         capacity = planning.parse_gpus(gpus, gpu_type)
     except ValueError as exc:
         raise fail(str(exc)) from exc
     sessions, book = _load(trace), profile_book(model, profile)
     slo = slo_for(book, next(iter(capacity)), slo_scale, ttft_slo_s, itl_slo_s)
+    if POLICIES[policy].elastic is not None:
+        if len(capacity) != 1:
+            raise fail("an elastic pool is one GPU type: pass a count, e.g. --gpus 8 --gpu-type H20")
+        ((gpu, count),) = capacity.items()
+        _plan_pool(book, sessions, gpu, count, slo, itl_slo_metric, policy, out)
+        return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("planning")
@@ -284,6 +308,46 @@ def plan_command(
     if report is not None:
         report.write_text(json.dumps(_plan_json(result, checked), indent=2) + "\n")
         console.print(f"wrote {report}")
+
+
+def _plan_pool(book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path) -> None:
+    """`ampd plan --policy elastic`: each pool's role plan, the pools ranked by the elastic
+    policy simulated on the trace, and the deployment file of the best."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from perfmodel.profile import shipped_profiles
+    from planner.plan import DeploymentFile, PhaseDeployment
+    from planner.role_plan import rank
+    from planner.simulator import simulate
+
+    status = console.status("simulating every pool's static splits at the trace's loads, then elastic on each")
+    with status, ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        try:
+            ranked = rank(book, sessions, gpu, gpus, slo, rule, lambda c, t: list(pool.map(simulate, c, t)), policy)
+        except ValueError as exc:
+            raise fail(str(exc)) from exc
+    table = Table("rank", "pool", "split by load (rounds/s: prefill engines)", "moves", "P95 TTFT", "SLO attainment")
+    for i, p in enumerate(ranked, 1):
+        steps = ", ".join(f"{s.rounds_per_s:g}: {s.best}" for s in p.plan.steps)
+        table.add_row(f"#{i}", f"TP={p.tp} x {p.engines} on {gpu}", steps, str(p.predicted.moves),
+                      ms(p.predicted.ttft.p95_s), f"{p.predicted.slo_attainment_rounds:.1%}")  # fmt: skip
+    console.print(table)
+    console.print(f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)} by each round's {rule} gap")
+    best = ranked[0]
+    profile = book.get(gpu, best.tp)
+    name = profile.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if name not in shipped_profiles():  # a profile derived on the fly goes beside the deployment
+        name = str(out.parent / f"{profile.name}.json")
+        profile.dump(Path(name))
+    deployment = DeploymentFile(
+        model=book.model.name, policy=policy, pool=PhaseDeployment(gpu=gpu, tp=best.tp, replicas=best.engines,
+        profile=name), role_plan=best.plan, ttft_slo_s=slo.ttft_s, itl_slo_s=slo.itl_s,
+        predicted_slo_attainment=best.predicted.slo_attainment_rounds, predicted_p95_ttft_s=best.predicted.ttft.p95_s,
+    )  # fmt: skip
+    env = deployment.write(out)
+    console.print(f"wrote {out} and {env}")
 
 
 def _plan_json(result, checked) -> dict:

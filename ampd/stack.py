@@ -1,8 +1,9 @@
 """`ampd up`: the whole local stack as child processes, stopped together on Ctrl-C.
 
 Redis (found or started), GPU-free workers registered in it - one prefill and one
-decode, or the pools a deployment file from `ampd plan` names - an rq tools worker for
-server-side tools, and the gateway in front of them.
+decode, a pool of workers whose roles the gateway assigns (``--pool``), or the pools a
+deployment file from `ampd plan` names - an rq tools worker for server-side tools, and
+the gateway in front of them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def run_stack(
     workers: list[tuple[str, str]],
     speed: float,
     policy: str,
+    gateway_args: list[str] | None = None,
 ) -> int:
     """``workers`` are (role, profile) pairs; the n-th worker of a role listens on its
-    role's port + 2n, so the default pair keeps 8101 and 8102."""
+    role's port + 2n, so the default pair keeps 8101 and 8102 (a pool's ``both`` workers
+    take the prefill ports)."""
     STATE_DIR.mkdir(exist_ok=True)
     try:
         redis = ensure_redis(redis_url, STATE_DIR / "redis")
@@ -48,7 +51,7 @@ def run_stack(
         console.print(f"[red]{exc}[/red]")
         return 1
     registry = ["--redis-url", redis.url, "--redis-prefix", REDIS_PREFIX]
-    base = {"prefill": prefill_port, "decode": decode_port}
+    base = {"prefill": prefill_port, "decode": decode_port, "both": prefill_port}
     placed = []
     for role, profile in workers:
         n = sum(1 for placed_role, *_ in placed if placed_role == role)
@@ -70,7 +73,8 @@ def run_stack(
             console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
             return 1
         if failed is None:
-            gateway = spawn_gateway("gateway", gateway_port, [*registry, "--policy", policy], STATE_DIR / "gateway.log")
+            args = [*registry, "--policy", policy, *(gateway_args or [])]
+            gateway = spawn_gateway("gateway", gateway_port, args, STATE_DIR / "gateway.log")
             children.append(gateway)
             failed = wait_healthy([gateway], path="/readyz")
         if failed is not None:

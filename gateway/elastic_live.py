@@ -26,7 +26,7 @@ from gateway.outage import REDIS_DOWN
 from gateway.pool import LiveWorker, WorkerPool
 from gateway.prefill_queue import PrefillQueues
 from gateway.role_store import RoleStore
-from gateway.roles import Assignment, Role, initial, move, settle
+from gateway.roles import Assignment, Role, busy, initial, move, settle
 from gateway.stats import WindowedStats
 from perfmodel.slo import SLO
 
@@ -108,23 +108,22 @@ class ElasticLoop:
         workers = [w for w in self.pool.workers.values() if w.info.model == model and w.info.role == "both"]
         if not workers:
             return
-        engines = await self.engines(workers, now)
+        engines = await self.engines(workers)
         controller = self.controller(model, slo)
         if forecast:
             controller.observe(await self.demand.last(self.redis, now), engines)
         for engine in engines:  # transitions whose old work is done
-            settled = settle(engine.assignment, self._busy(self.pool.workers[engine.worker_id], engine))
+            settled = settle(engine.assignment, _busy(engine))
             if settled != engine.assignment:
                 await self.roles.save(settled)
         for chosen in controller.tick(now, engines):
             current = next(e for e in engines if e.worker_id == chosen.worker_id)
-            busy = current.assignment.role in self._busy(self.pool.workers[chosen.worker_id], current)
-            await self.roles.save(move(current.assignment, chosen.role, now, busy))
+            await self.roles.save(move(current.assignment, chosen.role, now, current.assignment.role in _busy(current)))
             self.metrics.role_moves.labels(chosen.reason).inc()
             log.info("engine %s: %s -> %s (%s)", chosen.worker_id, current.assignment.role, chosen.role,
                      chosen.reason)  # fmt: skip
 
-    async def engines(self, workers: list[LiveWorker], now: float) -> list[EngineState]:
+    async def engines(self, workers: list[LiveWorker]) -> list[EngineState]:
         ids = [w.info.worker_id for w in workers]
         (costs, _), means = await asyncio.gather(self.queues.loads(ids), self.stats.means([(ITL, w) for w in ids]))
         return [
@@ -140,15 +139,10 @@ class ElasticLoop:
             for w in workers
         ]
 
-    @staticmethod
-    def _busy(worker: LiveWorker, engine: EngineState) -> set[Role]:
-        """The roles whose work it still has: prefills queued for it, or requests running."""
-        busy: set[Role] = set()
-        if engine.queue_cost_s > 0:
-            busy.add("prefill")
-        if worker.load.running:
-            busy |= {"decode", "mixed"}
-        return busy
+
+def _busy(engine: EngineState) -> set[Role]:
+    """What it still runs, as live sees it: prefills queued for it, requests running."""
+    return busy(engine.queue_cost_s > 0, engine.decoding > 0)
 
 
 async def set_role(redis: aioredis.Redis, prefix: str, worker_id: str, role: str) -> Assignment:

@@ -21,7 +21,7 @@ holds it over NIXL instead of recomputing their history.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
@@ -69,6 +69,13 @@ def move(current: Assignment, role: Role, now: float, busy: bool) -> Assignment:
     return Assignment(current.worker_id, role, now, draining)
 
 
+def busy(prefilling: bool, decoding: bool) -> set[Role]:
+    """The roles whose work an engine still has: other engines' prefills queued or running
+    on it (prefill), requests of its own sessions running (decode, mixed)."""
+    out: set[Role] = {"prefill"} if prefilling else set()
+    return out | {"decode", "mixed"} if decoding else out
+
+
 def settle(current: Assignment, busy_with: Iterable[Role]) -> Assignment:
     """The transition is over once no work of the role it left runs on it."""
     if current.draining is not None and current.draining not in set(busy_with):
@@ -82,8 +89,9 @@ def initial(worker_id: str, capability: str, now: float = 0.0) -> Assignment:
     return Assignment(worker_id, role, now)
 
 
-def counts(assignments: Mapping[str, Assignment]) -> dict[Role, int]:
+def counts(assignments: Iterable[Assignment]) -> dict[Role, int]:
+    """Engines in each role."""
     out = dict.fromkeys(ROLES, 0)
-    for a in assignments.values():
+    for a in assignments:
         out[a.role] += 1
     return out

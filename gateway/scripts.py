@@ -11,9 +11,10 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
   notices (gateway.replicas)
 * ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
 * ``{p}:role:{w}`` - hash: role, since, draining of an engine; ``{p}:elastic:leader`` - the
-  lease of the replica whose controller moves engines; ``{p}:demand:{interval}`` - hash:
-  rounds, prefill, output and context tokens of the rounds finished in one controller
-  interval (gateway.role_store)
+  lease of the replica whose controller moves engines (gateway.role_store);
+  ``{p}:demand:{interval}`` - hash: rounds arrived with their prefill and context tokens,
+  rounds finished with their output tokens, in one controller interval
+  (gateway.elastic_live.DemandLog)
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from gateway.elastic import RolePlan
 from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Profile, load_profile
@@ -260,35 +261,44 @@ class PhaseDeployment(BaseModel):
 
 
 class DeploymentFile(BaseModel):
-    """What `ampd plan` decides, for `ampd up --deployment` and compose.yaml (via its .env twin)."""
+    """What `ampd plan` decides, for `ampd up --deployment` and compose.yaml (via its .env
+    twin): a prefill and a decode pool, or for an elastic policy one pool of engines whose
+    roles the gateway assigns, with its role plan (planner.role_plan)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: int = 1
+    schema_version: int = 2
     model: str
     policy: str
-    prefill: PhaseDeployment
-    decode: PhaseDeployment
+    prefill: PhaseDeployment | None = None
+    decode: PhaseDeployment | None = None
+    pool: PhaseDeployment | None = None
+    role_plan: RolePlan | None = None
     ttft_slo_s: float
     itl_slo_s: float
     predicted_slo_attainment: float
     predicted_p95_ttft_s: float | None
-    z: float
+    z: float | None = None  # Eq. 5's objective (split deployments)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> DeploymentFile:
+        split = self.prefill is not None and self.decode is not None and self.pool is None
+        pool = self.pool is not None and self.prefill is None and self.decode is None
+        if not (split or pool) or (self.role_plan is not None and not pool):
+            raise ValueError("a deployment is a prefill and a decode pool, or one pool (with its role plan)")
+        return self
 
     def env(self) -> str:
         """The same decision as docker compose variables (``--env-file``)."""
-        lines = {
-            "AMPD_MODEL": self.model,
-            "AMPD_POLICY": self.policy,
-            "PREFILL_GPU": self.prefill.gpu,
-            "PREFILL_TP": self.prefill.tp,
-            "PREFILL_REPLICAS": self.prefill.replicas,
-            "PREFILL_PROFILE": self.prefill.profile,
-            "DECODE_GPU": self.decode.gpu,
-            "DECODE_TP": self.decode.tp,
-            "DECODE_REPLICAS": self.decode.replicas,
-            "DECODE_PROFILE": self.decode.profile,
-        }
+        lines: dict[str, object] = {"AMPD_MODEL": self.model, "AMPD_POLICY": self.policy}
+        for name, phase in (("PREFILL", self.prefill), ("DECODE", self.decode), ("POOL", self.pool)):
+            if phase is None:
+                lines[f"{name}_REPLICAS"] = 0
+                continue
+            lines |= {f"{name}_GPU": phase.gpu, f"{name}_TP": phase.tp, f"{name}_REPLICAS": phase.replicas,
+                      f"{name}_PROFILE": phase.profile}  # fmt: skip
+        if self.role_plan is not None:  # JSON, quoted for docker compose
+            lines["AMPD_ROLE_PLAN"] = f"'{role_plan_json(self.role_plan)}'"
         return "".join(f"{k}={v}\n" for k, v in lines.items())
 
     def write(self, path: Path) -> Path:
@@ -297,6 +307,11 @@ class DeploymentFile(BaseModel):
         env = path.with_suffix(".env")
         env.write_text(self.env())
         return env
+
+
+def role_plan_json(plan: RolePlan) -> str:
+    """The role plan as the gateway's ``--role-plan`` takes it (one line of JSON)."""
+    return TypeAdapter(RolePlan).dump_json(plan).decode()
 
 
 def deployment_file(book: ProfileBook, best: RankedPlan, policy: str, slo: SLO) -> DeploymentFile:

@@ -20,7 +20,7 @@ elastic policy with each pool's plan on the trace itself, best first: that is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from gateway.elastic import RolePlan, RoleStep
 from perfmodel.slo import SLO, ItlRule
 from planner.plan import ProfileBook
 from planner.simulator import Pool, SimConfig, SimReport
-from planner.trace import TraceSession, respace
+from planner.trace import TraceSession, respace, rounds_per_session
 
 STATIC = "ampd-tail"  # how the elastic policy routes within its roles (gateway.policies)
 LEVELS = 6  # loads planned when none are given
@@ -68,6 +68,14 @@ def load_levels(sessions: Sequence[TraceSession], window_s: float = 60.0, levels
     return sorted({round(float(q), 4) for q in quantiles if q > 0})
 
 
+def opening_load(sessions: Sequence[TraceSession], window_s: float = 60.0) -> float:
+    """Rounds per second the trace's first ``window_s`` brings (its sessions per second
+    there, times the trace's rounds per session): the load a pool starts with."""
+    first = min(s.arrival_s for s in sessions)
+    opening = max(1, sum(1 for s in sessions if s.arrival_s < first + window_s)) / window_s
+    return opening * rounds_per_session(sessions)
+
+
 def split_runs(
     book: ProfileBook,
     sessions: Sequence[TraceSession],
@@ -79,17 +87,24 @@ def split_runs(
     rates: Sequence[float],
     seed: int = 0,
 ) -> list[SplitRun]:
-    profile = book.get(gpu, tp)
-    rounds = sum(len(s.rounds) for s in sessions) / len(sessions)
+    rounds = rounds_per_session(sessions)
     runs = []
     for rate in rates:
         respaced = respace(list(sessions), rate, seed)
         for k in split_ladder(engines):
-            prefill = Pool(profile, k) if k else None
-            config = SimConfig(decode=Pool(profile, engines - k), prefill=prefill, slo=slo, policy=STATIC,
-                               seed=seed, itl_rule=itl_rule)  # fmt: skip
+            config = split_config(book, gpu, tp, engines, k, slo, itl_rule, seed)
             runs.append(SplitRun(tp, engines, k, rate, rate * rounds, config, respaced))
     return runs
+
+
+def split_config(
+    book: ProfileBook, gpu: str, tp: int, engines: int, prefill: int, slo: SLO, itl_rule: ItlRule, seed: int = 0
+) -> SimConfig:
+    """The pool with ``prefill`` of its engines in the prefill role for good, routed as
+    the elastic policy routes."""
+    profile = book.get(gpu, tp)
+    return SimConfig(decode=Pool(profile, engines - prefill), prefill=Pool(profile, prefill) if prefill else None,
+                     slo=slo, policy=STATIC, seed=seed, itl_rule=itl_rule)  # fmt: skip
 
 
 def role_plan(runs: Sequence[SplitRun], reports: Sequence[SimReport]) -> RolePlan:
@@ -138,11 +153,32 @@ def pools(
 
 
 def elastic_config(
-    book: ProfileBook, gpu: str, pool: PoolPlan, slo: SLO, itl_rule: ItlRule, start_rate: float, rounds: float,
+    book: ProfileBook, gpu: str, pool: PoolPlan, slo: SLO, itl_rule: ItlRule, start_load: float,
     policy: str = "elastic", seed: int = 0,
 ) -> SimConfig:  # fmt: skip
-    """The elastic policy on ``pool``, starting with the split planned for ``start_rate``
-    sessions/s of sessions of ``rounds`` rounds."""
+    """The elastic policy on ``pool``, starting with the split planned for ``start_load``
+    rounds per second."""
     return SimConfig(decode=Pool(book.get(gpu, pool.tp), pool.engines), prefill=None, slo=slo, policy=policy,
-                     seed=seed, itl_rule=itl_rule, initial_prefill=pool.plan.target(start_rate * rounds),
+                     seed=seed, itl_rule=itl_rule, initial_prefill=pool.plan.target(start_load),
                      role_plan=pool.plan)  # fmt: skip
+
+
+def rank(
+    book: ProfileBook,
+    sessions: Sequence[TraceSession],
+    gpu: str,
+    gpus: int,
+    slo: SLO,
+    itl_rule: ItlRule,
+    run: Callable[[Sequence[SimConfig], Sequence[Sequence[TraceSession]]], list[SimReport]],
+    policy: str = "elastic",
+    seed: int = 0,
+) -> list[PoolPlan]:
+    """Every pool planned at ``sessions``' loads, then the elastic policy simulated on
+    ``sessions`` with each plan: best first (attainment, then P95 TTFT)."""
+    planned = pools(book, sessions, gpu, gpus, slo, itl_rule, load_levels(sessions), run, seed)
+    start = opening_load(sessions)
+    configs = [elastic_config(book, gpu, p, slo, itl_rule, start, policy, seed) for p in planned]
+    reports = run(configs, [sessions] * len(configs))
+    ranked = [replace(p, predicted=r) for p, r in zip(planned, reports, strict=True)]
+    return sorted(ranked, key=lambda p: (-p.predicted.slo_attainment_rounds, p.predicted.ttft.p95_s or 0.0))

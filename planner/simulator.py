@@ -53,7 +53,7 @@ from gateway.core import (
 from gateway.elastic import Demand, ElasticController, EngineState, Move, RolePlan
 from gateway.policies import POLICIES
 from gateway.reordering import QueuedTask
-from gateway.roles import Assignment, Role, settle
+from gateway.roles import Assignment, Role, busy, counts, settle
 from gateway.roles import move as move_to
 from gateway.stats import WindowedMeans
 from perfmodel.profile import Profile, t_kv
@@ -130,12 +130,7 @@ class SimWorker:
 
     def busy_with(self) -> set[Role]:
         """The roles whose work it still has (gateway.roles: what a move leaves draining)."""
-        busy: set[Role] = set()
-        if self.remote_prefills:
-            busy.add("prefill")
-        if self.decoding:
-            busy |= {"decode", "mixed"}
-        return busy
+        return busy(self.remote_prefills > 0, self.decoding > 0)
 
 
 @dataclass
@@ -237,8 +232,11 @@ class SimReport(BaseModel):
     wall_s: float = 0.0
     moves: int = 0  # role changes (elastic pools)
     roles: list[RolesAt] = []  # the pool's roles over time (elastic pools)
-    # (TTFT, mean, P95, longest gap) of every round, to judge the run by another SLO; not dumped.
-    round_latencies: list[tuple[float, float | None, float | None, float | None]] = Field(default=[], exclude=True)
+    # (TTFT, mean, P95, longest gap, its session's arrival) of every round, to judge the run by
+    # another SLO; not dumped.
+    round_latencies: list[tuple[float, float | None, float | None, float | None, float]] = Field(
+        default=[], exclude=True
+    )
 
     def round_itl(self, rule: ItlRule) -> LatencySummary:
         return {"mean": self.itl, "p95": self.itl_p95, "max": self.itl_max}[rule]
@@ -246,9 +244,23 @@ class SimReport(BaseModel):
     def attainment(self, slo: SLO, rule: ItlRule) -> float:
         """The share of rounds meeting ``slo`` by ``rule``: the same run judged by another SLO.
         (A policy whose decisions read the SLO - ampd's - would have decided differently.)"""
-        column = {"mean": 1, "p95": 2, "max": 3}[rule]
-        met = [slo.met(r[0], r[column]) for r in self.round_latencies]
+        met = self.verdicts(slo, rule)
         return sum(met) / len(met) if met else 0.0
+
+    def verdicts(self, slo: SLO, rule: ItlRule) -> list[bool]:
+        """Whether each round met ``slo`` by ``rule``, in the order the rounds finished."""
+        column = {"mean": 1, "p95": 2, "max": 3}[rule]
+        return [slo.met(r[0], r[column]) for r in self.round_latencies]
+
+    def by_minute(self, slo: SLO, rule: ItlRule) -> dict[int, tuple[int, int]]:
+        """(rounds met, rounds) by the minute each round's session arrived in: the same rounds
+        in every deployment that ran the trace, so their verdicts compare minute by minute."""
+        out: dict[int, tuple[int, int]] = {}
+        for r, met in zip(self.round_latencies, self.verdicts(slo, rule), strict=True):
+            minute = int(r[4] // 60)
+            done, n = out.get(minute, (0, 0))
+            out[minute] = (done + met, n + 1)
+        return out
 
     @property
     def tau_prefill(self) -> float | None:
@@ -299,6 +311,7 @@ class Simulation:
                 engines += [self._worker(f"prefill-{i}", "prefill", config.prefill.profile)
                             for i in range(config.prefill.replicas)]  # fmt: skip
         self.workers = {w.worker_id: w for w in engines}
+        self._group()
         self.timeline: list[RolesAt] = []
         self.moves: list[tuple[float, Move]] = []
         self.interval = _Interval()
@@ -318,14 +331,11 @@ class Simulation:
         candidate = Candidate(worker_id, profile, block_size=scheduler.kv.block_size, prefill_chunk=chunk)
         return SimWorker(worker_id, Assignment(worker_id, role), profile, scheduler, candidate)
 
-    @property
-    def decoders(self) -> list[SimWorker]:
-        """The engines sessions are bound to (decode and mixed roles)."""
-        return [w for w in self.workers.values() if w.assignment.binds]
-
-    @property
-    def prefillers(self) -> list[SimWorker]:
-        return [w for w in self.workers.values() if w.assignment.prefills_remote]
+    def _group(self) -> None:
+        """The engines sessions are bound to (decode and mixed roles) and those others'
+        sessions prefill on, as the roles stand: kept, not recomputed at every round."""
+        self.decoders = [w for w in self.workers.values() if w.assignment.binds]
+        self.prefillers = [w for w in self.workers.values() if w.assignment.prefills_remote]
 
     def _at(self, when: float, action: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
@@ -597,6 +607,7 @@ class Simulation:
             w = self.workers[move.worker_id]
             w.assignment = move_to(w.assignment, move.role, self.now, bool(w.busy_with() & {w.assignment.role}))
             self.moves.append((self.now, move))
+            self._group()
             self._record_roles()
         if self._unfinished:
             self._at(self.now + self.controller.config.interval_s, self._control)
@@ -610,12 +621,7 @@ class Simulation:
             self._at(self.now + interval, self._forecast)
 
     def _record_roles(self) -> None:
-        roles = [w.assignment.role for w in self.workers.values()]
-        self.timeline.append(
-            RolesAt(
-                at=self.now, prefill=roles.count("prefill"), decode=roles.count("decode"), mixed=roles.count("mixed")
-            )
-        )
+        self.timeline.append(RolesAt(at=self.now, **counts(w.assignment for w in self.workers.values())))
 
     # -- results --------------------------------------------------------------------
     def report(self, wall_s: float = 0.0) -> SimReport:
@@ -626,6 +632,7 @@ class Simulation:
             by_session[record.session_id] = by_session.get(record.session_id, True) and ok
         complete = {s.trace.session_id for s in self.sessions if s.next_round == len(s.trace.rounds)}
         incremental = [r for r in records if r.incremental]
+        arrival = {s.trace.session_id: s.trace.arrival_s for s in self.sessions}
         start = min((s.trace.arrival_s for s in self.sessions), default=0.0)
         makespan = max(self.now - start, 1e-9)
         pools = f"{self.config.prefill.label()}" if self.prefillers and self.config.prefill else "none"
@@ -673,7 +680,9 @@ class Simulation:
             wall_s=wall_s,
             moves=len(self.moves),
             roles=self.timeline,
-            round_latencies=[(r.ttft_s, r.mean_itl_s, r.p95_itl_s, r.max_itl_s) for r in records],
+            round_latencies=[
+                (r.ttft_s, r.mean_itl_s, r.p95_itl_s, r.max_itl_s, arrival[r.session_id]) for r in records
+            ],
         )
 
 

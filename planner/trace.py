@@ -255,6 +255,12 @@ def respace(sessions: list[TraceSession], rate: float, seed: int = 0) -> list[Tr
     return [s.model_copy(update={"arrival_s": round(float(t), 4)}) for s, t in zip(sessions, arrivals, strict=True)]
 
 
+def rounds_per_session(sessions: Sequence[TraceSession]) -> float:
+    """The mean rounds of a session: sessions per second times this is rounds per second,
+    the load the elastic controller measures."""
+    return sum(len(s.rounds) for s in sessions) / len(sessions)
+
+
 def summarize(sessions: list[TraceSession]) -> dict[str, float]:
     """Table 1's columns for a trace, to compare a generated one with the paper."""
     prompts, added, outputs = [], [], []

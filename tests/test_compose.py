@@ -16,6 +16,8 @@ import yaml
 from prometheus_client import generate_latest
 
 from ampd.cli import app
+from gateway.config import GatewayConfig
+from gateway.elastic import RolePlan, RoleStep
 from gateway.metrics import GatewayMetrics
 from perfmodel.profile import load_profile
 from planner.plan import DeploymentFile, PhaseDeployment
@@ -56,19 +58,20 @@ def parse_ampd(argv: list[str]) -> Any:
 
 def test_every_command_is_a_real_ampd_command():
     commands = {name: s["command"] for name, s in services().items() if s.get("command", [""])[0] == "ampd"}
-    assert {"gateway", "tools", "prefill", "decode", "prefill-cpu", "decode-cpu"} <= set(commands)
+    assert {"gateway", "tools", "prefill", "decode", "prefill-cpu", "decode-cpu", "pool", "pool-cpu"} <= set(commands)
     for name, argv in commands.items():
         ctx = parse_ampd(argv)
         assert not ctx.args, f"{name}: options ampd does not know (passed on to vLLM): {ctx.args}"
         if "profile" in ctx.params:
             load_profile(ctx.params["profile"])  # the worker would refuse to start otherwise
         if "role" in ctx.params:
-            assert ctx.params["role"] == name.removesuffix("-cpu"), name
+            base = name.removesuffix("-cpu")
+            assert ctx.params["role"] == ("both" if base == "pool" else base), name
 
 
 def test_gpu_and_cpu_workers_are_separate_profiles():
     all_services = services()
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "pool"):
         gpu, cpu = all_services[role], all_services[f"{role}-cpu"]
         assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
         (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
@@ -97,6 +100,32 @@ def test_a_deployment_file_sets_pool_sizes_and_parallelism():
         assert parse_ampd(planned[role]["command"]).params["tp"] == phase.tp
         assert planned[role]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == str(phase.tp)
     assert "--policy=ampd-routing-only" in planned["gateway"]["command"]
+    assert planned["pool"]["deploy"]["replicas"] == planned["pool-cpu"]["deploy"]["replicas"] == "0"
+    assert parse_ampd(planned["gateway"]["command"]).params["role_plan"] in ("", None)
+
+
+def test_an_elastic_deployment_file_starts_one_pool_and_hands_the_gateway_its_plan():
+    plan = RolePlan((RoleStep(1.0, {0: 0.99, 2: 0.97}), RoleStep(3.0, {0: 0.4, 2: 0.9})))
+    elastic = DeploymentFile(
+        model="llama-3.1-70b", policy="elastic",
+        pool=PhaseDeployment(gpu="H20", tp=2, replicas=4, profile="llama-3.1-70b_h20_tp2"), role_plan=plan,
+        ttft_slo_s=5.0, itl_slo_s=0.1, predicted_slo_attainment=0.9, predicted_p95_ttft_s=1.0,
+    )  # fmt: skip
+    env = {}
+    for line in elastic.env().splitlines():  # docker compose strips the single quotes of a value
+        name, _, value = line.partition("=")
+        env[name] = value.strip("'")
+    planned = services(env)
+    assert planned["prefill"]["deploy"]["replicas"] == planned["decode-cpu"]["deploy"]["replicas"] == "0"
+    for name in ("pool", "pool-cpu"):
+        assert planned[name]["deploy"]["replicas"] == "4"
+        assert parse_ampd(planned[name]["command"]).params["profile"] == "llama-3.1-70b_h20_tp2"
+    assert parse_ampd(planned["pool"]["command"]).params["tp"] == 2
+    gateway = parse_ampd(planned["gateway"]["command"]).params
+    assert gateway["policy"] == "elastic"
+    assert GatewayConfig(policy="elastic", role_plan=json.loads(gateway["role_plan"])).role_plan == plan
+    with pytest.raises(ValueError, match="one pool"):
+        DeploymentFile.model_validate({**elastic.model_dump(), "decode": elastic.pool.model_dump()})
 
 
 def test_files_it_builds_and_mounts_exist():
@@ -121,7 +150,7 @@ def test_telemetry_wiring_points_at_services_that_exist():
     assert collector["exporters"]["otlp/jaeger"]["endpoint"].split(":")[0] in all_services
     prometheus = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     scraped = {n for job in prometheus["scrape_configs"] for sd in job["dns_sd_configs"] for n in sd["names"]}
-    assert scraped == {"gateway", "prefill", "decode", "prefill-cpu", "decode-cpu"}
+    assert scraped == {"gateway", "prefill", "decode", "prefill-cpu", "decode-cpu", "pool", "pool-cpu"}
 
 
 @pytest.mark.parametrize(

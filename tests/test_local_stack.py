@@ -104,6 +104,40 @@ def test_up_runs_the_pools_a_deployment_file_names(tmp_path):
         assert up.wait(timeout=30) == 0
 
 
+def test_up_runs_an_elastic_pool_a_deployment_file_names(tmp_path):
+    """`ampd plan --policy elastic` writes a pool and its role plan; `ampd up` starts the
+    pool's workers as `both` and the gateway with the plan."""
+    deployment = {
+        "model": "llama-3.1-8b", "policy": "elastic", "ttft_slo_s": 1.0, "itl_slo_s": 0.05,
+        "predicted_slo_attainment": 1.0, "predicted_p95_ttft_s": 0.1,
+        "pool": {"gpu": "H100", "tp": 1, "replicas": 2, "profile": "llama-3.1-8b_h100_tp1"},
+        "role_plan": {"steps": [{"rounds_per_s": 1.0, "attainment": {"0": 1.0, "1": 0.9}}]},
+    }  # fmt: skip
+    (tmp_path / "deployment.json").write_text(json.dumps(deployment))
+    gateway, prefill = free_port(), free_port()
+    while prefill + 2 == gateway:  # the second engine listens on prefill + 2
+        prefill = free_port()
+    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+               "--prefill-port", str(prefill), "--speed", "50"]  # fmt: skip
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
+        assert [(w["role"], w["url"].rsplit(":", 1)[1]) for w in stack["workers"]] == [
+            ("both", str(prefill)), ("both", str(prefill + 2))]  # fmt: skip
+        log = (tmp_path / ".ampd" / "gateway.log").read_text()
+        assert "Traceback" not in log
+        metrics = httpx.get(f"{stack['gateway']}/metrics", timeout=5).text
+        assert metrics.count('ampd_worker_role{role="both"') == 2  # no move yet: each as registered
+        reply = httpx.post(f"{stack['gateway']}/v1/chat/completions", timeout=30,
+                           json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+
+
 def test_the_machines_redis_is_used_when_it_answers(tmp_path):
     found = ensure_redis(MACHINE_REDIS, tmp_path)
     assert found.url == MACHINE_REDIS and found.process is None

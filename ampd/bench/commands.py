@@ -119,16 +119,24 @@ def bench_run(
     speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
+    pool: Annotated[int, typer.Option(help="an elastic policy's engines (with 0 prefill and 0 decode replicas)")] = 0,
+    role_plan: Annotated[
+        str | None, typer.Option(envvar="AMPD_ROLE_PLAN", help="the pool's split by load, JSON (`ampd plan`)")
+    ] = None,
     seed: int = 0,
     port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:
     """Replay a trace live (gateway + GPU-free workers), next to the simulator's prediction."""
+    from pydantic import TypeAdapter
+
     from ampd.bench.run import LiveSetup, run_bench
+    from gateway.elastic import RolePlan
     from planner.trace import WORKLOADS, generate, load_trace, respace
 
     try:
+        plan = TypeAdapter(RolePlan).validate_json(role_plan) if role_plan else None
         if trace is not None:
             sessions_list = load_trace(trace)
             label = str(trace) if rate is None else f"{trace} re-spaced to {rate:g}/s (seed {seed})"
@@ -143,7 +151,8 @@ def bench_run(
     except (OSError, ValueError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
-    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url, itl_slo_metric)
+    setup = LiveSetup(profile, speed, policy, prefill_replicas, decode_replicas, port, redis_url, itl_slo_metric,
+                      pool, plan)  # fmt: skip
     raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
 
 
@@ -279,6 +288,64 @@ def bench_paper(
     title = (f"{model} on {gpu}, sessions per point: {per_point} (simulated; every policy on its best "
              f"deployment; {wall / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
     for path in write_paper(out_dir, title, points, cells, slos, chunked, setup, sensitive, wall):
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("elastic")
+def bench_elastic(
+    traces: Annotated[
+        list[str] | None,
+        typer.Option(help="NAME=WORKLOAD:SHAPE:LOW:HIGH:SECONDS[:TO_WORKLOAD] (repeat); default: four shapes"),
+    ] = None,
+    rules: Annotated[str, typer.Option(help="ITL rules, comma-separated: mean, p95, max")] = "mean,p95,max",
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    gpus: Annotated[int, typer.Option(help="the cluster every deployment fills")] = 8,
+    slo_scale: Annotated[float, typer.Option(help="SLO: this x the unloaded latency of a trace's round")] = 5.0,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/elastic"),
+) -> None:
+    """Time-varying load: elastic roles against every policy's best fixed deployment (simulated)."""
+    import time
+
+    from ampd.bench.elastic import DEFAULT_TRACES, ShapedTrace, run_shaped
+    from ampd.bench.elastic import write as write_elastic
+    from ampd.bench.paper import trace_slo
+    from perfmodel.slo import ITL_RULES
+    from planner.trace import SHAPES, WORKLOADS, Shape
+
+    try:
+        chosen = list(DEFAULT_TRACES)
+        if traces:
+            chosen = []
+            for spec in traces:
+                name, _, rest = spec.partition("=")
+                workload, kind, low, high, seconds, *to = rest.split(":")
+                if not name or workload not in WORKLOADS or kind not in SHAPES or (to and to[0] not in WORKLOADS):
+                    raise ValueError(f"bad --traces {spec!r}: NAME=WORKLOAD:SHAPE:LOW:HIGH:SECONDS[:TO_WORKLOAD]")
+                shape = Shape(kind, float(seconds), float(low), float(high))  # type: ignore[arg-type]
+                chosen.append(ShapedTrace(name, workload, shape, to[0] if to else None))
+        rule_list = [r for r in rules.split(",") if r]
+        if not rule_list or any(r not in ITL_RULES for r in rule_list):
+            raise ValueError(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
+        book = profile_book(model, None)
+        started = time.perf_counter()
+        outcomes, verdicts, timelines = [], [], {}
+        for trace in chosen:
+            slo = trace_slo(book, gpu, trace.workload, slo_scale)
+            with console.status(f"{trace.name}: every policy, and elastic on each pool"):
+                o, v, t = run_shaped(book, gpu, gpus, trace, rule_list, slo, seed)  # type: ignore[arg-type]
+            outcomes, verdicts, timelines[trace.name] = outcomes + o, verdicts + v, t
+            for verdict in v:
+                console.print(f"{trace.name}, {verdict.rule}: elastic {verdict.elastic.slo_attainment_rounds:.1%}, "
+                              f"best fixed {verdict.best_fixed.slo_attainment_rounds:.1%} "
+                              f"({verdict.best_fixed.policy}), goal {verdict.required:.1%}")  # fmt: skip
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    wall = time.perf_counter() - started
+    title = (f"{model} on {gpus} {gpu}, SLO scale {slo_scale:g} (simulated; {wall / 60:.0f} min on "
+             f"{os.cpu_count()} cores)")  # fmt: skip
+    for path in write_elastic(out_dir, title, outcomes, verdicts, timelines, wall):
         console.print(f"wrote {path}")
 
 

@@ -41,13 +41,14 @@ from pathlib import Path
 
 from rich.progress import Progress
 
+from ampd.bench.figures import pyplot, save
 from ampd.bench.sweep import SweepPoint
 from perfmodel.catalog import TP_DEGREES
 from perfmodel.slo import SLO, ItlRule
 from planner.plan import ProfileBook, plan
 from planner.role_plan import PoolPlan, elastic_config, pools, split_ladder
 from planner.simulator import Pool, SimConfig, SimReport, simulate
-from planner.trace import WORKLOADS, TraceSession, generate
+from planner.trace import WORKLOADS, TraceSession, generate, rounds_per_session
 
 PAPER_GPUS = {"toolbench": 8, "hotpotqa": 8, "dureader": 16, "gaia": 32}  # section 7.1
 SHORT = {"toolbench": "TB", "hotpotqa": "HQ", "dureader": "DR", "gaia": "GA"}
@@ -189,7 +190,7 @@ def run_trace(
         plans = grid_plans(book, gpu, workload, rates, sessions, cells, seed, submit)
         for rate in rates:
             trace = generate(WORKLOADS[workload], sessions, rate, seed)
-            rounds = sum(len(s.rounds) for s in trace) / len(trace)
+            load = rate * rounds_per_session(trace)  # rounds per second, as the role plans count it
 
             def run(
                 policy: str, prefill: Pool | None, decode: Pool, scale: float, rule: ItlRule = "mean", trace=trace
@@ -210,7 +211,7 @@ def run_trace(
                     runs[("ampd-tail", scale, rule)] = [run("ampd-tail", p, d, scale, rule) for p, d in splits]
             for cell in cells:  # each pool, starting from its plan's split for the rate
                 runs[("elastic", cell.scale, cell.rule)] = [
-                    submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, rate, rounds, seed=seed),
+                    submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, load, seed=seed),
                            trace, judged=True)
                     for (planned, _), plan in plans.items() if planned == cell
                 ]  # fmt: skip
@@ -461,7 +462,7 @@ def markdown(
 
 def plot_attainment(points: Sequence[GridPoint], path: Path, title: str) -> None:
     """Figure 4's top row for one cell: SLO attainment against rate, a panel per trace."""
-    plt = _pyplot()
+    plt = pyplot()
     workloads = list(dict.fromkeys(p.workload for p in points))
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.8), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
@@ -476,12 +477,12 @@ def plot_attainment(points: Sequence[GridPoint], path: Path, title: str) -> None
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
-    _save(fig, path)
+    save(fig, path)
 
 
 def plot_breakdown(points: Sequence[GridPoint], path: Path, title: str) -> None:
     """At each trace's middle rate: mean TTFT of incremental rounds, and each round's gaps."""
-    plt = _pyplot()
+    plt = pyplot()
     workloads = list(dict.fromkeys(p.workload for p in points))
     metrics = [
         ("mean TTFT, incremental (s)", "ttft_mean_incremental_s", 1.0),
@@ -500,11 +501,11 @@ def plot_breakdown(points: Sequence[GridPoint], path: Path, title: str) -> None:
             ax.set_xticks(range(len(POLICIES)), POLICIES, rotation=35, ha="right", fontsize=7)
             ax.set_title(f"{workload} at {rate:g}/s: {name}", fontsize=9)
     fig.suptitle(title)
-    _save(fig, path)
+    save(fig, path)
 
 
 def plot_sensitivity(points: Sequence[SensitivityPoint], path: Path, title: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(SENSITIVITY), figsize=(12, 3.6))
     for ax, parameter in zip(axes, SENSITIVITY, strict=True):
         mine = [p for p in points if p.parameter == parameter]
@@ -513,22 +514,7 @@ def plot_sensitivity(points: Sequence[SensitivityPoint], path: Path, title: str)
         ax.set_ylabel("SLO attainment (%)")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    _save(fig, path)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    _pyplot().close(fig)
+    save(fig, path)
 
 
 def write(

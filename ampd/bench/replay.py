@@ -167,3 +167,16 @@ async def replay(
         runs = (_session(client, url, i, s, speed, start, on_round) for i, s in enumerate(shifted))
         results = await asyncio.gather(*runs)
     return [r for rounds in results for r in rounds]
+
+
+async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, int]:
+    """(rounds lost, rounds duplicated): every session's rounds as the gateway recorded them
+    (``GET /v1/sessions/{id}``) against the trace's."""
+    lost = duplicated = 0
+    async with agent_client(16) as client:
+        for session in sessions:
+            async with client.get(f"{url}/v1/sessions/{session.session_id}") as response:
+                recorded = len((await response.json())["rounds"]) if response.status == 200 else 0
+            lost += max(0, len(session.rounds) - recorded)
+            duplicated += max(0, recorded - len(session.rounds))
+    return lost, duplicated

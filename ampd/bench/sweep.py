@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
+from ampd.bench.figures import pyplot, save
 from gateway.policies import POLICIES
 from perfmodel.slo import SLO, ItlRule
 from planner.simulator import Pool, SimConfig, SimReport, simulate
@@ -116,11 +117,7 @@ def markdown(points: list[SweepPoint]) -> str:
 
 def plot(points: list[SweepPoint], path: Path, title: str) -> None:
     """Three panels against rate: SLO attainment, P95 incremental TTFT, local share."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [
         ("SLO attainment (rounds)", lambda p: p.slo_attainment_rounds * 100, "%"),
@@ -137,9 +134,7 @@ def plot(points: list[SweepPoint], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def write(points: list[SweepPoint], out_dir: Path, stem: str, title: str) -> list[Path]:
