@@ -1,7 +1,8 @@
 """Real vLLM engines on the CPU: `ampd worker vllm`, the gateway over them, and the
 engine protocol tests run against vLLM itself (vLLM's CPU build, which `make test` installs).
 
-One prefill and one decode engine serve a tiny Llama with random weights
+Two engines, registered as `both` and given the prefill and the decode role in Redis
+(as an elastic pool's are), serve a tiny Llama with random weights
 (workers.vllm.tiny_model), hand KV over with NIXL (UCX over TCP), and live only while
 this module runs: NIXL's UCX progress thread busy-polls a core per engine, and would
 slow every other test on a two-core machine.
@@ -14,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,7 +30,7 @@ import redis.asyncio as aioredis
 from ampd.local_redis import free_port
 from ampd.processes import spawn
 from tests import test_engine_protocol as protocol
-from tests.engines import Engine, start_gateway
+from tests.engines import METRICS_TIMEOUT_S, Engine, start_gateway
 from workers.registry import WorkerInfo, live_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
@@ -70,17 +72,18 @@ def failure_context() -> str:
     return "\n".join(parts)
 
 
-def start_vllm_worker(tmp: Path, model_dir: Path, role: str, prefix: str) -> Engine:
+def start_vllm_worker(tmp: Path, model_dir: Path, name: str, prefix: str) -> Engine:
+    """An engine registered as `both`: its role is what Redis says (``set_roles``)."""
     port = free_port()
     command = [
-        "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", role,
+        "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both",
         "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
         "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
         "--ready-timeout", str(READY_TIMEOUT_S), "--", *VLLM_ARGS,
     ]  # fmt: skip
-    log = tmp / f"vllm-{role}.log"
+    log = tmp / f"vllm-{name}.log"
     _logs.append(log)
-    child = spawn(f"vllm {role}", port, command, log=log, env=VLLM_ENV, niceness=10)
+    child = spawn(f"vllm {name}", port, command, log=log, env=VLLM_ENV, niceness=10)
     return Engine(child.url, MODEL, child, kind="vllm")
 
 
@@ -109,6 +112,16 @@ def wait_registered(engines: list[Engine], prefix: str, tmp: Path) -> None:
     raise AssertionError(f"vLLM workers did not register within {READY_TIMEOUT_S} s")
 
 
+def set_roles(prefix: str, roles: dict[str, str]) -> None:
+    """Each engine's role (by its URL), as an operator gives it (`ampd workers set`)."""
+    ids = registered(prefix)
+    for engine_url, role in roles.items():
+        command = [sys.executable, "-m", "ampd.cli", "workers", "set", ids[engine_url].worker_id, role,
+                   "--redis-url", REDIS_URL, "--redis-prefix", prefix]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
 def first_handoff(prefill: Engine, decode: Engine, attempts: int = 3) -> None:
     """One hand-off, so that the decode engine's NIXL handshake with the prefill engine is
     made before the tests count transfers. vLLM makes it lazily on the first pull, and waits
@@ -125,7 +138,8 @@ def first_handoff(prefill: Engine, decode: Engine, attempts: int = 3) -> None:
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory) -> Iterator[tuple[Engine, Engine, str]]:
-    """(prefill, decode, registry prefix): two `ampd worker vllm` supervisors, registered."""
+    """(prefill, decode, registry prefix): two `ampd worker vllm` supervisors, registered,
+    in those roles."""
     if not Path(VLLM_PYTHON).exists():
         pytest.skip(f"vLLM's CPU build is not installed at {VLLM_PYTHON} (`make test` installs it)")
     tmp = tmp_path_factory.mktemp("vllm")
@@ -136,6 +150,7 @@ def vllm(tmp_path_factory) -> Iterator[tuple[Engine, Engine, str]]:
     decode = start_vllm_worker(tmp, model_dir, "decode", prefix)
     try:
         wait_registered([prefill, decode], prefix, tmp)
+        set_roles(prefix, {prefill.url: "prefill", decode.url: "decode"})
         first_handoff(prefill, decode)
         yield prefill, decode, prefix
     finally:
@@ -260,6 +275,77 @@ def test_a_failed_kv_pull_is_recomputed_on_the_decode_engine(vllm):
     assert second.status_code == 200, second.text
     assert second.json()["usage"]["completion_tokens"] == 4
     assert decode.metrics()["vllm:nixl_xfer_time_seconds_count"] == before  # nothing came over NIXL
+
+
+def roles_applied(url: str, prefix: str, roles: dict[str, str]) -> Callable[[], bool]:
+    ids = registered(prefix)
+    lines = [f'ampd_worker_role{{role="{role}",worker="{ids[u].worker_id}"}} 1.0' for u, role in roles.items()]
+    return lambda: all(line in httpx.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S).text for line in lines)
+
+
+def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.2)
+
+
+def chat(gateway: str, session_id: str, messages: list[dict]) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "seed": 1}
+    response = httpx.post(f"{gateway}/v1/chat/completions", json=body, headers={"X-Session-Id": session_id},
+                          timeout=300)  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response
+
+
+def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, gateways):
+    """Elastic moves on real vLLM, with no restart: the engines swap roles while a round of
+    a session streams on the decode engine - the round finishes there - and swap back
+    before its third round. Each next round binds to the engine decoding at the time and
+    is prefilled on the one that holds the session's history, from where the decode
+    engine pulls the KV over NIXL instead of recomputing it."""
+    prefill, decode, prefix = vllm
+    gateway = gateways[0]  # disagg: every round is a hand-off
+    ids = {u: info.worker_id for u, info in registered(prefix).items()}
+    first_handoff(decode, prefill)  # the new direction's NIXL handshake (see first_handoff)
+    session_id = f"swap-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Plan the week."}]
+    swapped = {prefill.url: "decode", decode.url: "prefill"}
+    restored = {prefill.url: "prefill", decode.url: "decode"}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 48, "ignore_eos": True, "seed": 1, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    try:
+        with httpx.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers={"X-Session-Id": session_id},
+                          timeout=300) as stream:  # fmt: skip
+            assert stream.status_code == 200 and stream.headers["x-ampd-decode-worker"] == ids[decode.url]
+            events = (line[6:] for line in stream.iter_lines() if line.startswith("data: "))
+            seen = [next(events)]  # the round is streaming
+            set_roles(prefix, swapped)
+            seen += list(events)
+        assert seen[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in seen[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 48  # the round finished on its engine
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        until(roles_applied(gateway, prefix, swapped), 120, "the gateway to apply the swapped roles")
+
+        for k, (decoding, holder) in enumerate([(prefill, decode), (decode, prefill)]):
+            if k == 1:  # and back
+                set_roles(prefix, restored)
+                until(roles_applied(gateway, prefix, restored), 120, "the gateway to apply the roles again")
+            before = decoding.metrics()
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"And then ({k})?"}]
+            reply = chat(gateway, session_id, messages)
+            assert reply.headers["x-ampd-decode-worker"] == ids[decoding.url]
+            assert reply.headers["x-ampd-route"] == f"remote:{ids[holder.url]}"
+            after = decoding.metrics_once(round_recorded(before, pulled=True))
+            assert after[PULLS] - before[PULLS] == 1  # the history came over, not recomputed
+            text = reply.json()["choices"][0]["message"]["content"]
+        rounds = httpx.get(f"{gateway}/v1/sessions/{session_id}").json()["rounds"]
+        assert [r["prefill_worker"] for r in rounds] == [ids[prefill.url], ids[decode.url], ids[prefill.url]]
+    finally:
+        set_roles(prefix, restored)
+        for url in gateways:
+            until(roles_applied(url, prefix, restored), 120, "the gateways to apply the roles again")
 
 
 def test_sigterm_drains_the_decode_worker(vllm, gateways):
