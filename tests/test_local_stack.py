@@ -104,6 +104,50 @@ def test_up_runs_the_pools_a_deployment_file_names(tmp_path):
         assert up.wait(timeout=30) == 0
 
 
+def test_a_deployment_planned_on_two_gpu_types_is_started_and_served(tmp_path):
+    """`ampd plan --gpus H20=4,L40=8` puts prefill on one GPU type and decode on the other
+    (writing the profile the catalog lacks next to the deployment); `ampd up --deployment`
+    starts both, and a round is prefilled on one type and decoded on the other."""
+
+    def ampd(*args: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "ampd.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    ampd("trace", "generate", "--workload", "toolbench", "--sessions", "60", "--rate", "1.0", "--out", "tb.jsonl")
+    ampd("plan", "--trace", "tb.jsonl", "--gpus", "H20=4,L40=8", "--model", "llama-3.1-70b", "--out", "deployment.json")
+    deployment = json.loads((tmp_path / "deployment.json").read_text())
+    prefill_gpu, decode_gpu = deployment["prefill"]["gpu"], deployment["decode"]["gpu"]
+    assert {prefill_gpu, decode_gpu} == {"H20", "L40"}
+    # The n-th replica of a role listens on the role's port + 2n: prefill on even offsets
+    # from one base, decode on odd ones, the gateway on none of them.
+    base, gateway = free_port(), free_port()
+    prefill, decode = base, base + 1
+    while 0 <= gateway - base < 2 * max(deployment["prefill"]["replicas"], deployment["decode"]["replicas"]):
+        gateway = free_port()
+    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+               "--prefill-port", str(prefill), "--decode-port", str(decode), "--speed", "50"]  # fmt: skip
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
+        expected = [(role, deployment[role]["profile"]) for role in ("prefill", "decode")
+                    for _ in range(deployment[role]["replicas"])]  # fmt: skip
+        assert [(w["role"], w["profile"]) for w in stack["workers"]] == expected
+        ready = httpx.get(f"{stack['gateway']}/readyz", timeout=5).json()
+        assert len(ready["workers"]) == len(expected)
+        body = {"messages": [{"role": "user", "content": "Plan my week."}], "max_tokens": 4}
+        reply = httpx.post(f"{stack['gateway']}/v1/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        # Prefilled on one GPU type, decoded on the other.
+        assert reply.headers["x-ampd-route"].startswith("remote:sim-prefill-")
+        assert reply.headers["x-ampd-decode-worker"].startswith("sim-decode-")
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+
+
 def test_up_runs_an_elastic_pool_a_deployment_file_names(tmp_path):
     """`ampd plan --policy elastic` writes a pool and its role plan; `ampd up` starts the
     pool's workers as `both` and the gateway with the plan."""

@@ -72,11 +72,12 @@ def failure_context() -> str:
     return "\n".join(parts)
 
 
-def start_vllm_worker(tmp: Path, model_dir: Path, name: str, prefix: str) -> Engine:
-    """An engine registered as `both`: its role is what Redis says (``set_roles``)."""
+def start_vllm_worker(tmp: Path, model_dir: Path, name: str, prefix: str, *options: str) -> Engine:
+    """An engine registered as `both`: its role is what Redis says (``set_roles``).
+    ``options`` go to `ampd worker vllm` (``--tp 2``)."""
     port = free_port()
     command = [
-        "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both",
+        "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both", *options,
         "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
         "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
         "--ready-timeout", str(READY_TIMEOUT_S), "--", *VLLM_ARGS,
