@@ -20,6 +20,7 @@ serving policy, for their predicted P95 TTFT and SLO attainment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments, solve_with_stats
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import TraceSession, subsample
+from workers.sim.scheduler import SchedulerConfig
 
 Progress = Callable[[str], None]
 
@@ -125,7 +127,6 @@ def tau_options(
     if not any(degrees.values()):
         raise ValueError(f"{book.model.name} fits on no TP degree of {', '.join(capacity)}")
     smallest = min(d[0] for d in degrees.values() if d)  # GPUs the other phase needs at least
-    ample = _ample(book, capacity)
     options, samples = [], []
     for gpu, count in capacity.items():
         for tp in degrees[gpu]:
@@ -138,27 +139,48 @@ def tau_options(
                     break
                 if progress:
                     progress(f"tau {gpu} TP={tp} x{replicas}: {len(share)} sessions")
-                one = Pool(profile, 1)
+                one, ample = Pool(profile, 1), _ample(book, capacity, replicas)
                 measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
-                prefill = simulate(SimConfig(decode=ample, prefill=one, **measured), share)
+                if not prefill_overwhelmed(profile, share, slo):
+                    prefill = simulate(SimConfig(decode=ample, prefill=one, **measured), share)
+                    samples.append(TauSample("prefill", gpu, tp, replicas, prefill))
+                    if prefill.tau_prefill is not None:
+                        options.append(PoolOption("prefill", gpu, tp, replicas, prefill.tau_prefill))
                 decode = simulate(SimConfig(decode=one, prefill=ample, **measured), share)
-                samples += [
-                    TauSample("prefill", gpu, tp, replicas, prefill),
-                    TauSample("decode", gpu, tp, replicas, decode),
-                ]
-                if prefill.tau_prefill is not None:
-                    options.append(PoolOption("prefill", gpu, tp, replicas, prefill.tau_prefill))
+                samples.append(TauSample("decode", gpu, tp, replicas, decode))
                 if decode.tau_decode is not None:
                     options.append(PoolOption("decode", gpu, tp, replicas, decode.tau_decode))
     return options, samples
 
 
-def _ample(book: ProfileBook, capacity: Mapping[str, int]) -> Pool:
-    """The other phase while one is measured: the whole cluster at its largest degree, so
-    that it is never the bottleneck it could be in any configuration that fits."""
+def prefill_overwhelmed(profile: Profile, share: Sequence[TraceSession], slo: SLO) -> bool:
+    """Whether one prefill replica is so far behind on ``share`` that simulating it would
+    only confirm Eq. 5 cannot pick it: the sessions' first rounds alone, at the cheapest
+    a token ever costs (the forward pass at its most efficient step size, no attention),
+    leave more than twice the TTFT SLO of work queued when the last session arrives.
+    Queued work then grows through the trace, so more than half of the first rounds wait
+    past the SLO and the phase's P95 (tau_pre) is far above it. Simulating such replicas
+    of a big cluster's smallest pools was most of its planning time."""
+    if len(share) < 2:
+        return False
+    budget = SchedulerConfig().max_num_batched_tokens
+    forward = profile.pieces.forward
+    # alpha / x + beta on each piece: its lowest per-token cost is at one of its ends.
+    steps = [1, *(p.upto for p in forward.pieces[:-1] if p.upto is not None and p.upto < budget), budget]
+    per_token = min(forward(x) / x for x in steps)
+    work = per_token * sum(s.rounds[0].input_tokens for s in share)
+    span = max(s.arrival_s for s in share) - min(s.arrival_s for s in share)
+    return work - span > 2 * slo.ttft_s
+
+
+def _ample(book: ProfileBook, capacity: Mapping[str, int], share: int) -> Pool:
+    """The other phase while one replica is measured on 1/``share`` of the trace: that
+    share of the whole cluster at its largest degree, so that it is never the bottleneck
+    it could be in any configuration that fits. (The whole cluster for every share made
+    the cache set-up of idle replicas most of a large cluster's planning time.)"""
     gpu = max(capacity, key=lambda g: capacity[g])
     tp = book.feasible(gpu)[-1]
-    return Pool(book.get(gpu, tp), max(1, sum(capacity.values()) // tp))
+    return Pool(book.get(gpu, tp), max(1, math.ceil(sum(capacity.values()) / tp / share)))
 
 
 def simulate_deployment(

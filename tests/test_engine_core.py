@@ -44,7 +44,7 @@ def assert_kv_consistent(scheduler: Scheduler, step: Step | None = None) -> None
     kv = scheduler.kv
     referenced = [b for b, count in enumerate(kv.ref_cnt) if count > 0]
     assert len(referenced) + kv.num_free_blocks == kv.num_blocks
-    assert all(kv.ref_cnt[b] == 0 for b in kv.free_queue)
+    assert all(kv.ref_cnt[b] == 0 for b in kv.free_queue())
     held = sum(len(h.block_ids) for h in scheduler.held.values())
     owned = sum(len(r.block_ids) for r in scheduler.running) + sum(len(r.block_ids) for r in scheduler.waiting)
     assert owned + held >= len(referenced)  # shared prefix blocks are owned by several requests
@@ -185,7 +185,7 @@ def test_lru_evicts_a_requests_tail_before_its_prefix():
     blocks = kv.allocate(3)
     kv.cache_full_blocks(blocks, [11, 12, 13])
     kv.free(blocks)
-    assert list(kv.free_queue) == [3, blocks[2], blocks[1], blocks[0]]
+    assert kv.free_queue() == [3, blocks[2], blocks[1], blocks[0]]
     kv.allocate(2)  # the never-used block, then the request's last block
     assert 13 not in kv.cached and 11 in kv.cached and 12 in kv.cached
 

@@ -11,7 +11,15 @@ import pytest
 
 from perfmodel.profile import load_profile, t_kv
 from perfmodel.slo import SLO, derived_slo
-from planner.plan import ProfileBook, deployment_file, load_deployment, parse_gpus, parse_pool, plan
+from planner.plan import (
+    ProfileBook,
+    deployment_file,
+    load_deployment,
+    parse_gpus,
+    parse_pool,
+    plan,
+    prefill_overwhelmed,
+)
 from planner.simulator import Pool, SimConfig, Simulation, simulate
 from planner.trace import WORKLOADS, TraceRound, TraceSession, generate, load_trace, summarize, write_trace
 
@@ -122,6 +130,19 @@ def test_overload_shows_in_the_report():
 
 
 # -- planning -------------------------------------------------------------------------
+@pytest.mark.unit
+def test_a_prefill_replica_is_not_simulated_only_where_it_would_be_far_past_the_slo():
+    """plan.prefill_overwhelmed is a bound, not a guess: where it spares a simulation, the
+    simulation finds the replica's tau_pre far above 1; where the replica keeps up, it
+    does not spare it."""
+    config = SimConfig(decode=Pool(TP4, 4), prefill=Pool(TP2, 1), slo=SLO_, policy="disagg")
+    for rate, overwhelmed in ((40.0, True), (0.5, False)):
+        share = generate(WORKLOADS["toolbench"], 120, rate, seed=2)
+        assert prefill_overwhelmed(TP2, share, SLO_) is overwhelmed
+        tau = simulate(config, share).tau_prefill
+        assert tau is not None and (tau > 2 if overwhelmed else tau < 1)
+
+
 @pytest.mark.unit
 def test_parsers_refuse_what_they_cannot_read():
     assert parse_gpus("8") == {"H20": 8}

@@ -7,6 +7,9 @@
 * Blocks nobody references go to the tail of an LRU free queue but keep their hash:
   they can still be hit until a new allocation evicts them from the head. A request's
   blocks are released tail first, so its last blocks are evicted before its prefix.
+  The queue starts as every block in id order; those never used yet stay at its head as
+  a counter, not as entries, because a simulated cluster builds many caches of 10^5
+  blocks and most of their blocks are never touched.
 * At most ``num_tokens - 1`` tokens can be a cache hit: the last prompt token is
   always computed, because its logits produce the first output token.
 """
@@ -57,7 +60,10 @@ class KVCache:
     # Per block, indexed by block id: plain lists, as every hit, allocation and free walks them.
     ref_cnt: list[int] = field(init=False)
     block_hash: list[int | None] = field(init=False)
-    free_queue: OrderedDict[int, None] = field(init=False)  # LRU: evict from the front
+    # The LRU free queue (evict from the front): blocks ``unused..num_blocks-1``, never
+    # used, then the freed ones in the order they were freed.
+    unused: int = field(init=False)
+    freed: OrderedDict[int, None] = field(init=False)
     cached: dict[int, int] = field(init=False)  # block hash -> block id
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
@@ -66,13 +72,18 @@ class KVCache:
             raise ValueError("num_blocks and block_size must be positive")
         self.ref_cnt = [0] * self.num_blocks
         self.block_hash = [None] * self.num_blocks
-        self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.unused = 0
+        self.freed = OrderedDict()
         self.cached = {}
 
     # -- queries -----------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return self.num_blocks - self.unused + len(self.freed)
+
+    def free_queue(self) -> list[int]:
+        """The free blocks, next to be evicted first."""
+        return [*range(self.unused, self.num_blocks), *self.freed]
 
     @property
     def usage(self) -> float:
@@ -96,7 +107,7 @@ class KVCache:
 
     def can_allocate(self, num_new_blocks: int, touched: Sequence[int] = ()) -> bool:
         """Enough free blocks for ``num_new_blocks`` after pinning the ``touched`` hits."""
-        free = len(self.free_queue)
+        free = self.num_blocks - self.unused + len(self.freed)  # num_free_blocks, inlined: called per request per step
         if free - len(touched) >= num_new_blocks:  # enough even if every hit comes out of the free queue
             return True
         ref_cnt = self.ref_cnt
@@ -105,20 +116,28 @@ class KVCache:
 
     # -- mutations ---------------------------------------------------------------
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take references on cache hits, pulling them out of the free queue."""
-        ref_cnt, free_queue = self.ref_cnt, self.free_queue
+        """Take references on cache hits, pulling them out of the free queue (a hit was
+        used before, so it is among the freed)."""
+        ref_cnt, freed = self.ref_cnt, self.freed
         for b in block_ids:
             if ref_cnt[b] == 0:
-                del free_queue[b]
+                del freed[b]
             ref_cnt[b] += 1
 
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise RuntimeError(f"KV cache over-committed: want {n}, {self.num_free_blocks} free")
+        ref_cnt, block_hash, freed, cached = self.ref_cnt, self.block_hash, self.freed, self.cached
         out: list[int] = []
-        ref_cnt, block_hash, free_queue, cached = self.ref_cnt, self.block_hash, self.free_queue, self.cached
-        for _ in range(n):
-            block_id, _ = free_queue.popitem(last=False)
+        fresh = self.num_blocks - self.unused  # the head of the queue: never used, no hash
+        if fresh:
+            fresh = min(n, fresh)
+            out = list(range(self.unused, self.unused + fresh))
+            self.unused += fresh
+            for block_id in out:
+                ref_cnt[block_id] = 1
+        for _ in range(n - fresh):
+            block_id, _ = freed.popitem(last=False)
             h = block_hash[block_id]
             if h is not None:  # evict the stale cache entry
                 if cached.get(h) == block_id:
@@ -140,11 +159,11 @@ class KVCache:
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference per block, tail first so a prefix outlives its suffix."""
-        ref_cnt, free_queue = self.ref_cnt, self.free_queue
+        ref_cnt, freed = self.ref_cnt, self.freed
         for b in reversed(block_ids):
             count = ref_cnt[b] - 1
             if count < 0:
                 raise RuntimeError(f"double free of block {b}")
             ref_cnt[b] = count
             if count == 0:
-                free_queue[b] = None
+                freed[b] = None
