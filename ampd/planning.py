@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
@@ -263,11 +264,14 @@ def plan_command(
             bar.update(task, description=text)
 
         try:
-            result = planning.plan(book, sessions, capacity, slo, policy, top, candidates, progress, itl_slo_metric)
+            jobs = os.cpu_count() or 1
+            result = planning.plan(
+                book, sessions, capacity, slo, policy, top, candidates, progress, itl_slo_metric, jobs
+            )
             checked = []
             if validate:
                 checked = planning.exhaustive(
-                    book, sessions, result.options, capacity, slo, policy, progress, itl_slo_metric
+                    book, sessions, result.options, capacity, slo, policy, progress, itl_slo_metric, jobs
                 )
         except ValueError as exc:
             raise fail(str(exc)) from exc
@@ -313,7 +317,6 @@ def plan_command(
 def _plan_pool(book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path) -> None:
     """`ampd plan --policy elastic`: each pool's role plan, the pools ranked by the elastic
     policy simulated on the trace, and the deployment file of the best."""
-    import os
     from concurrent.futures import ProcessPoolExecutor
 
     from perfmodel.profile import shipped_profiles

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,13 +122,16 @@ def tau_options(
     slo: SLO,
     progress: Progress | None = None,
     itl_rule: ItlRule = "mean",
+    jobs: int = 1,
 ) -> tuple[list[PoolOption], list[TauSample]]:
     """tau_pre and tau_dec for every (type, degree, replicas) that leaves room for the other phase."""
     degrees = {gpu: book.feasible(gpu) for gpu in capacity}
     if not any(degrees.values()):
         raise ValueError(f"{book.model.name} fits on no TP degree of {', '.join(capacity)}")
     smallest = min(d[0] for d in degrees.values() if d)  # GPUs the other phase needs at least
-    options, samples = [], []
+    measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
+    kinds: list[tuple[str, str, int, int]] = []  # (phase, gpu, tp, replicas) of each run
+    runs: list[tuple[SimConfig, list[TraceSession]]] = []
     for gpu, count in capacity.items():
         for tp in degrees[gpu]:
             profile = book.get(gpu, tp)
@@ -137,20 +141,39 @@ def tau_options(
                 share = list(subsample(list(sessions), replicas))
                 if not share:
                     break
-                if progress:
-                    progress(f"tau {gpu} TP={tp} x{replicas}: {len(share)} sessions")
                 one, ample = Pool(profile, 1), _ample(book, capacity, replicas)
-                measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
                 if not prefill_overwhelmed(profile, share, slo):
-                    prefill = simulate(SimConfig(decode=ample, prefill=one, **measured), share)
-                    samples.append(TauSample("prefill", gpu, tp, replicas, prefill))
-                    if prefill.tau_prefill is not None:
-                        options.append(PoolOption("prefill", gpu, tp, replicas, prefill.tau_prefill))
-                decode = simulate(SimConfig(decode=one, prefill=ample, **measured), share)
-                samples.append(TauSample("decode", gpu, tp, replicas, decode))
-                if decode.tau_decode is not None:
-                    options.append(PoolOption("decode", gpu, tp, replicas, decode.tau_decode))
+                    kinds.append(("prefill", gpu, tp, replicas))
+                    runs.append((SimConfig(decode=ample, prefill=one, **measured), share))
+                kinds.append(("decode", gpu, tp, replicas))
+                runs.append((SimConfig(decode=one, prefill=ample, **measured), share))
+    if progress:
+        progress(f"tau: {len(runs)} simulations of one replica on its share, {jobs} at a time")
+    options, samples = [], []
+    for (phase, gpu, tp, replicas), report in zip(kinds, simulate_all(runs, jobs), strict=True):
+        samples.append(TauSample(phase, gpu, tp, replicas, report))
+        tau = report.tau_prefill if phase == "prefill" else report.tau_decode
+        if tau is not None:
+            options.append(PoolOption(phase, gpu, tp, replicas, tau))
     return options, samples
+
+
+def simulate_all(runs: Sequence[tuple[SimConfig, Sequence[TraceSession]]], jobs: int = 1) -> list[SimReport]:
+    """``simulate`` each (config, sessions) run, ``jobs`` at a time in processes of their
+    own; the longest traces start first, so that no process is left with the slowest run
+    at the end. Reports come back in the runs' order, equal to running them one by one."""
+    if jobs <= 1:
+        return [simulate(config, trace) for config, trace in runs]
+    order = sorted(range(len(runs)), key=lambda i: -len(runs[i][1]))
+    reports: list[SimReport | None] = [None] * len(runs)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        for i, report in zip(order, pool.map(_simulate_run, [runs[i] for i in order]), strict=True):
+            reports[i] = report
+    return [r for r in reports if r is not None]
+
+
+def _simulate_run(run: tuple[SimConfig, Sequence[TraceSession]]) -> SimReport:
+    return simulate(*run)
 
 
 def prefill_overwhelmed(profile: Profile, share: Sequence[TraceSession], slo: SLO) -> bool:
@@ -183,18 +206,12 @@ def _ample(book: ProfileBook, capacity: Mapping[str, int], share: int) -> Pool:
     return Pool(book.get(gpu, tp), max(1, math.ceil(sum(capacity.values()) / tp / share)))
 
 
-def simulate_deployment(
-    book: ProfileBook,
-    deployment: Deployment,
-    sessions: Sequence[TraceSession],
-    slo: SLO,
-    policy: str,
-    itl_rule: ItlRule = "mean",
-) -> SimReport:
+def deployment_config(
+    book: ProfileBook, deployment: Deployment, slo: SLO, policy: str, itl_rule: ItlRule = "mean"
+) -> SimConfig:
     prefill = Pool(book.get(deployment.prefill.gpu, deployment.prefill.tp), deployment.prefill.replicas)
     decode = Pool(book.get(deployment.decode.gpu, deployment.decode.tp), deployment.decode.replicas)
-    config = SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, itl_rule=itl_rule)
-    return simulate(config, sessions)
+    return SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, itl_rule=itl_rule)
 
 
 @dataclass(frozen=True)
@@ -232,6 +249,7 @@ def plan(
     candidates: int = 5,
     progress: Progress | None = None,
     itl_rule: ItlRule = "mean",
+    jobs: int = 1,
 ) -> PlanResult:
     """Eq. 5's best ``candidates`` configurations, each then simulated whole with the
     serving policy; the best ``top`` by simulated SLO attainment come back.
@@ -242,13 +260,13 @@ def plan(
     and the whole-system simulation of a handful of candidates makes the call. The
     Eq. 5 rank stays in the result for comparison.
     """
-    options, samples = tau_options(book, sessions, capacity, slo, progress, itl_rule)
+    options, samples = tau_options(book, sessions, capacity, slo, progress, itl_rule, jobs)
     deployments, stats = solve_with_stats(options, capacity, top=max(top, candidates))
-    simulated = []
-    for rank, d in enumerate(deployments, 1):
-        if progress:
-            progress(f"predict P {d.prefill.tp}x{d.prefill.replicas}, D {d.decode.tp}x{d.decode.replicas}")
-        simulated.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy, itl_rule), rank))
+    if progress:
+        progress(f"predict Eq. 5's best {len(deployments)}, simulated whole")
+    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in deployments]
+    simulated = [RankedPlan(d, report, rank) for rank, (d, report) in
+                 enumerate(zip(deployments, simulate_all(runs, jobs), strict=True), 1)]  # fmt: skip
     return PlanResult(by_attainment(simulated)[:top], options, samples, slo, sum(stats.seconds))
 
 
@@ -261,15 +279,16 @@ def exhaustive(
     policy: str,
     progress: Progress | None = None,
     itl_rule: ItlRule = "mean",
+    jobs: int = 1,
 ) -> list[RankedPlan]:
     """Every feasible configuration simulated whole, best SLO attainment first (the paper's
     Table 2 check of the planner; ties go to the lower P95 TTFT)."""
-    out = []
-    for rank, d in enumerate(enumerate_deployments(options, capacity), 1):
-        if progress:
-            progress(f"simulate P {d.prefill.tp}x{d.prefill.replicas}, D {d.decode.tp}x{d.decode.replicas}")
-        out.append(RankedPlan(d, simulate_deployment(book, d, sessions, slo, policy, itl_rule), rank))
-    return by_attainment(out)
+    deployments = enumerate_deployments(options, capacity)
+    if progress:
+        progress(f"validate: {len(deployments)} configurations simulated whole, {jobs} at a time")
+    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in deployments]
+    return by_attainment([RankedPlan(d, report, rank) for rank, (d, report) in
+                          enumerate(zip(deployments, simulate_all(runs, jobs), strict=True), 1)])  # fmt: skip
 
 
 # -- the deployment file ---------------------------------------------------------------

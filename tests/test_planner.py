@@ -167,6 +167,20 @@ def test_profile_book_knows_which_degrees_fit():
 
 
 @pytest.mark.unit
+def test_a_plan_spread_over_processes_equals_one_made_one_by_one():
+    """plan(jobs=2) runs its simulations in two processes, longest first: the same taus,
+    the same ranking and the same predicted rounds as one after another."""
+    book = ProfileBook("llama-3.1-70b")
+    trace = generate(WORKLOADS["toolbench"], 60, 0.6, seed=5)
+    one, two = (plan(book, trace, {"H20": 8}, SLO_, candidates=4, jobs=jobs) for jobs in (1, 2))
+    assert [(o.phase, o.tp, o.replicas, o.tau) for o in one.options] == [
+        (o.phase, o.tp, o.replicas, o.tau) for o in two.options
+    ]
+    assert [(r.deployment, r.eq5_rank, r.predicted.round_latencies) for r in one.ranked] == [
+        (r.deployment, r.eq5_rank, r.predicted.round_latencies) for r in two.ranked
+    ]
+
+
 def test_plan_picks_within_capacity_and_writes_the_deployment(tmp_path: Path):
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 60, 0.4, seed=2)
