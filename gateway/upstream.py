@@ -43,6 +43,7 @@ class Reply:
     first_token_at: float | None = None
     last_token_at: float | None = None
     itl: list[float] = field(default_factory=list)  # every inter-token gap, in order
+    completion_tokens: int = 0  # as the engine's per-chunk usage last counted them
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -54,17 +55,30 @@ class Reply:
         return None if self.first_token_at is None else self.first_token_at - self.started
 
     def observe(self, chunk: dict[str, Any], now: float) -> bool:
-        """Take one chunk into account; False for the usage-only chunk, True otherwise."""
+        """Take one chunk into account; False for the usage-only chunk, True otherwise.
+
+        A chunk may carry several tokens: vLLM's tool parser sends nothing for the
+        ``<tool_call>`` tag or the JSON around a function's name, and releases them with a
+        later token. Where the engine counts tokens in every chunk (``stream_options.
+        continuous_usage_stats``, which the gateway asks for), the time since the last
+        chunk is spread evenly over the tokens it brought, so the gaps are per token - as
+        the SLO's ITL and the simulator count them - and not per chunk. A chunk without
+        that count is one token."""
         if self.head is None:
             self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            self.usage = chunk["usage"]
+        usage = chunk.get("usage")
+        if usage is not None and not chunk.get("choices"):
+            self.usage = usage
             return False
+        tokens = 1
+        if usage is not None:
+            tokens = usage["completion_tokens"] - self.completion_tokens
+            self.completion_tokens = usage["completion_tokens"]
         if self.first_token_at is None:
-            self.first_token_at = now
-        else:
-            self.itl.append(now - (self.last_token_at or now))
-        self.last_token_at = now
+            self.first_token_at = self.last_token_at = now
+        elif tokens > 0:
+            self.itl += [(now - (self.last_token_at or now)) / tokens] * tokens
+            self.last_token_at = now
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             self.content += delta.get("content") or ""
@@ -159,9 +173,11 @@ class EngineClient:
     ) -> AsyncIterator[bytes]:
         """Stream a chat completion from a worker; yields the SSE bytes to relay (every
         event that arrived in one read, together) and fills ``reply`` as they pass.
-        The usage chunk the gateway always asks for is relayed only if ``keep_usage``;
-        with a ``transform``, each chunk is relayed as it rewrites it (or dropped)."""
-        upstream_body = dict(body, stream=True, stream_options={"include_usage": True})
+        The usage chunk the gateway always asks for is relayed only if ``keep_usage``, and
+        the per-chunk counts it asks for (see :meth:`Reply.observe`) never; with a
+        ``transform``, each chunk is relayed as it rewrites it (or dropped)."""
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        upstream_body = dict(body, stream=True, stream_options=options)
         headers = {"X-Request-Id": request_id}
         try:
             async with self.http.post(f"{url}/v1/chat/completions", json=upstream_body, headers=headers) as r:
@@ -183,11 +199,15 @@ class EngineClient:
                             message = chunk["error"].get("message")
                             raise UpstreamError(f"{url} failed mid-stream: {message}", 502, chunk)
                         content = reply.observe(chunk, now)
+                        if content:  # the client asked for no per-chunk counts
+                            chunk.pop("usage", None)
                         if transform is not None:
                             rewritten = transform(chunk)
                             if rewritten is not None:
                                 relay.append(b"data: " + orjson.dumps(rewritten) + b"\n\n")
-                        elif content or keep_usage:
+                        elif content:
+                            relay.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                        elif keep_usage:
                             relay.append(event + b"\n\n")
                     if relay:
                         yield b"".join(relay)
