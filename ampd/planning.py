@@ -317,17 +317,16 @@ def plan_command(
 def _plan_pool(book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path) -> None:
     """`ampd plan --policy elastic`: each pool's role plan, the pools ranked by the elastic
     policy simulated on the trace, and the deployment file of the best."""
-    from concurrent.futures import ProcessPoolExecutor
-
     from perfmodel.profile import shipped_profiles
-    from planner.plan import DeploymentFile, PhaseDeployment
+    from planner.plan import DeploymentFile, PhaseDeployment, simulate_all
     from planner.role_plan import rank
-    from planner.simulator import simulate
 
-    status = console.status("simulating every pool's static splits at the trace's loads, then elastic on each")
-    with status, ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+    def run(configs, traces):
+        return simulate_all(list(zip(configs, traces, strict=True)), os.cpu_count() or 1)
+
+    with console.status("simulating every pool's static splits at the trace's loads, then elastic on each"):
         try:
-            ranked = rank(book, sessions, gpu, gpus, slo, rule, lambda c, t: list(pool.map(simulate, c, t)), policy)
+            ranked = rank(book, sessions, gpu, gpus, slo, rule, run, policy)
         except ValueError as exc:
             raise fail(str(exc)) from exc
     table = Table("rank", "pool", "split by load (rounds/s: prefill engines)", "moves", "P95 TTFT", "SLO attainment")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from ampd.bench.replay import LiveRound, with_gateway_tails
 from ampd.local_redis import free_port
 from planner.trace import WORKLOADS, generate, respace, write_trace
 
@@ -29,6 +30,14 @@ def _run(*options: str, timeout: float = 240) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "ampd.cli", "bench", "run", "--profile", "llama-3.1-8b_h100_tp1",
                "--speed", "10", "--port", str(free_port()), "--redis-url", REDIS_URL, *options]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.unit
+def test_live_tails_are_the_gateways_per_token_gaps_where_it_recorded_the_round():
+    seen = [LiveRound("s", 0, 0.3, 0.05, 0.5, 0.9, 40), LiveRound("s", 1, 0.3, 0.05, 0.5, 0.9, 40)]
+    judged = with_gateway_tails(seen, {("s", 0): (0.06, 0.2)})
+    assert [(r.p95_itl_s, r.max_itl_s) for r in judged] == [(0.06, 0.2), (0.5, 0.9)]
+    assert judged[0].itl("p95") == 0.06 and judged[0].mean_itl_s == 0.05
 
 
 def test_a_trace_file_replays_live_and_in_the_simulator(tmp_path):

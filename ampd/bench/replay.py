@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 import orjson
@@ -37,7 +37,7 @@ class LiveRound:
     round: int
     ttft_s: float  # wall clock, from sending the request to the first token
     mean_itl_s: float | None  # over the engine's tokens
-    p95_itl_s: float | None  # over the gaps between the deltas it streamed
+    p95_itl_s: float | None  # over the gaps between the deltas it streamed (see with_gateway_tails)
     max_itl_s: float | None
     tokens: int  # completion tokens (EOS included)
 
@@ -169,14 +169,33 @@ async def replay(
     return [r for rounds in results for r in rounds]
 
 
-async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, int]:
-    """(rounds lost, rounds duplicated): every session's rounds as the gateway recorded them
-    (``GET /v1/sessions/{id}``) against the trace's."""
+Tails = dict[tuple[str, int], tuple[float | None, float | None]]  # (session, round) -> (P95 gap, longest gap)
+
+
+async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, int, Tails]:
+    """(rounds lost, rounds duplicated, each recorded round's P95 and longest gap): every
+    session's rounds as the gateway recorded them (``GET /v1/sessions/{id}``) against the
+    trace's."""
     lost = duplicated = 0
+    tails: Tails = {}
     async with agent_client(16) as client:
         for session in sessions:
             async with client.get(f"{url}/v1/sessions/{session.session_id}") as response:
-                recorded = len((await response.json())["rounds"]) if response.status == 200 else 0
-            lost += max(0, len(session.rounds) - recorded)
-            duplicated += max(0, recorded - len(session.rounds))
-    return lost, duplicated
+                records = (await response.json())["rounds"] if response.status == 200 else []
+            lost += max(0, len(session.rounds) - len(records))
+            duplicated += max(0, len(records) - len(session.rounds))
+            tails |= {(session.session_id, k): (r["p95_itl_s"], r["max_itl_s"]) for k, r in enumerate(records)}
+    return lost, duplicated, tails
+
+
+def with_gateway_tails(rounds: Sequence[LiveRound], tails: Tails) -> list[LiveRound]:
+    """The rounds with their P95 and longest gap as the gateway timed them, per token.
+    A client sees deltas, and vLLM's tool parser (which the GPU-free engine copies)
+    streams several tokens of a tool call as one delta, so per delta the tail rules
+    would judge stalls no engine step caused; the gateway spreads each delta's gap over
+    the tokens it brought, as the simulator counts them."""
+    out = []
+    for r in rounds:
+        p95, longest = tails.get((r.session_id, r.round), (r.p95_itl_s, r.max_itl_s))
+        out.append(replace(r, p95_itl_s=p95, max_itl_s=longest))
+    return out

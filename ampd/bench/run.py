@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ampd.bench.replay import LiveRound, read_back, replay
+from ampd.bench.replay import LiveRound, read_back, replay, with_gateway_tails
 from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.stack import STATE_DIR
@@ -171,7 +171,8 @@ def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup
             started = time.perf_counter()
             rounds = asyncio.run(replay(url, trace, setup.speed, on_round=lambda _: progress.advance(task)))
             wall = time.perf_counter() - started
-            lost, duplicated = asyncio.run(read_back(url, trace))
+            lost, duplicated, tails = asyncio.run(read_back(url, trace))
+            rounds = with_gateway_tails(rounds, tails)
     except (NoRedis, RuntimeError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 1
