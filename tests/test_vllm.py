@@ -123,18 +123,25 @@ def set_roles(prefix: str, roles: dict[str, str]) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
 
 
-def first_handoff(prefill: Engine, decode: Engine, attempts: int = 3) -> None:
-    """One hand-off, so that the decode engine's NIXL handshake with the prefill engine is
-    made before the tests count transfers. vLLM makes it lazily on the first pull, and waits
-    for the prefill engine's side channel for a hard-coded 5 s (ZMQ RCVTIMEO in its NIXL
-    worker); two engines busy-polling two cores can miss that, which fails the pull (500,
-    "handshake_failed") - seen in CI. A later pull retries the handshake."""
+PULLS, FIRSTS = "vllm:nixl_xfer_time_seconds_count", "vllm:time_to_first_token_seconds_count"
+
+
+def first_handoff(prefill: Engine, decode: Engine, attempts: int = 6) -> None:
+    """One hand-off whose KV came over NIXL, so that the decode engine's handshake with the
+    prefill engine is made before the tests count transfers. vLLM makes it lazily on the
+    first pull and waits for the prefill engine's side channel for a hard-coded 5 s (ZMQ
+    RCVTIMEO in its NIXL worker); engines busy-polling every core can miss that - seen in
+    CI, most with a TP 2 engine's two ranks - and the pull then fails into a recompute
+    (200, no transfer). A later pull retries the handshake, so each attempt checks that a
+    transfer was counted."""
     for _ in range(attempts):
+        before = decode.metrics()[PULLS]
         first = protocol.chat(prefill, messages=protocol.USER, max_tokens=1, kv_transfer_params=protocol.NIXL_PARAMS)
         params = first.json()["kv_transfer_params"]
-        if protocol.chat(decode, messages=protocol.USER, max_tokens=1, kv_transfer_params=params).status_code == 200:
+        protocol.chat(decode, messages=protocol.USER, max_tokens=1, kv_transfer_params=params)
+        if decode.metrics_once(lambda m, before=before: m[PULLS] > before, timeout_s=10)[PULLS] > before:
             return
-    raise AssertionError(f"no NIXL hand-off succeeded in {attempts} attempts\n{failure_context()}")
+    raise AssertionError(f"no NIXL transfer in {attempts} hand-offs\n{failure_context()}")
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +217,6 @@ def gateways(vllm, tmp_path_factory) -> Iterator[tuple[str, str]]:
     yield children[0].url, children[1].url
     for child in children:
         child.stop()
-
-
-PULLS, FIRSTS = "vllm:nixl_xfer_time_seconds_count", "vllm:time_to_first_token_seconds_count"
 
 
 def round_recorded(before: dict[str, float], pulled: bool) -> Callable[[dict[str, float]], bool]:
