@@ -30,6 +30,13 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 60) -> di
     return json.loads(path.read_text())
 
 
+def start_up(tmp_path: Path, *options: str) -> subprocess.Popen:
+    """`ampd up` in ``tmp_path``, pointed at a Redis URL where nothing answers: it starts its own."""
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    return subprocess.Popen([sys.executable, "-m", "ampd.cli", "up", *options], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+
 def test_up_starts_redis_workers_and_the_gateway(tmp_path):
     ports = [free_port(), free_port(), free_port()]
     env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # nothing there: start our own
@@ -87,11 +94,9 @@ def test_up_runs_the_pools_a_deployment_file_names(tmp_path):
     gateway, prefill, decode = free_port(), free_port(), free_port()
     while decode + 2 in (gateway, prefill):  # the second decode replica listens on decode + 2
         decode = free_port()
-    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+    command = ["--deployment", "deployment.json", "--gateway-port", str(gateway),
                "--prefill-port", str(prefill), "--decode-port", str(decode), "--speed", "50"]  # fmt: skip
-    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
-    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    up = start_up(tmp_path, *command)
     try:
         stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
         workers = [(w["role"], w["profile"]) for w in stack["workers"]]
@@ -125,11 +130,9 @@ def test_a_deployment_planned_on_two_gpu_types_is_started_and_served(tmp_path):
     prefill, decode = base, base + 1
     while 0 <= gateway - base < 2 * max(deployment["prefill"]["replicas"], deployment["decode"]["replicas"]):
         gateway = free_port()
-    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+    command = ["--deployment", "deployment.json", "--gateway-port", str(gateway),
                "--prefill-port", str(prefill), "--decode-port", str(decode), "--speed", "50"]  # fmt: skip
-    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
-    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    up = start_up(tmp_path, *command)
     try:
         stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
         expected = [(role, deployment[role]["profile"]) for role in ("prefill", "decode")
@@ -161,11 +164,9 @@ def test_up_runs_an_elastic_pool_a_deployment_file_names(tmp_path):
     gateway, prefill = free_port(), free_port()
     while prefill + 2 == gateway:  # the second engine listens on prefill + 2
         prefill = free_port()
-    command = ["up", "--deployment", "deployment.json", "--gateway-port", str(gateway),
+    command = ["--deployment", "deployment.json", "--gateway-port", str(gateway),
                "--prefill-port", str(prefill), "--speed", "50"]  # fmt: skip
-    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
-    up = subprocess.Popen([sys.executable, "-m", "ampd.cli", *command], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    up = start_up(tmp_path, *command)
     try:
         stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
         assert [(w["role"], w["url"].rsplit(":", 1)[1]) for w in stack["workers"]] == [
