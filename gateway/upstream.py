@@ -199,15 +199,15 @@ class EngineClient:
                             message = chunk["error"].get("message")
                             raise UpstreamError(f"{url} failed mid-stream: {message}", 502, chunk)
                         content = reply.observe(chunk, now)
-                        if content:  # the client asked for no per-chunk counts
-                            chunk.pop("usage", None)
+                        # The client asked for no per-chunk counts: re-encode only a chunk that has them.
+                        counted = content and chunk.pop("usage", None) is not None
                         if transform is not None:
                             rewritten = transform(chunk)
                             if rewritten is not None:
                                 relay.append(b"data: " + orjson.dumps(rewritten) + b"\n\n")
-                        elif content:
+                        elif counted:
                             relay.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
-                        elif keep_usage:
+                        elif content or keep_usage:
                             relay.append(event + b"\n\n")
                     if relay:
                         yield b"".join(relay)

@@ -130,6 +130,7 @@ def tau_options(
         raise ValueError(f"{book.model.name} fits on no TP degree of {', '.join(capacity)}")
     smallest = min(d[0] for d in degrees.values() if d)  # GPUs the other phase needs at least
     measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
+    trace = list(sessions)
     kinds: list[tuple[str, str, int, int]] = []  # (phase, gpu, tp, replicas) of each run
     runs: list[tuple[SimConfig, list[TraceSession]]] = []
     for gpu, count in capacity.items():
@@ -138,7 +139,7 @@ def tau_options(
             for replicas in range(1, (sum(capacity.values()) - smallest) // tp + 1):
                 if tp * replicas > count:
                     break
-                share = list(subsample(list(sessions), replicas))
+                share = list(subsample(trace, replicas))
                 if not share:
                     break
                 one, ample = Pool(profile, 1), _ample(book, capacity, replicas)
@@ -165,11 +166,9 @@ def simulate_all(runs: Sequence[tuple[SimConfig, Sequence[TraceSession]]], jobs:
     if jobs <= 1:
         return [simulate(config, trace) for config, trace in runs]
     order = sorted(range(len(runs)), key=lambda i: -len(runs[i][1]))
-    reports: list[SimReport | None] = [None] * len(runs)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        for i, report in zip(order, pool.map(_simulate_run, [runs[i] for i in order]), strict=True):
-            reports[i] = report
-    return [r for r in reports if r is not None]
+        reports = dict(zip(order, pool.map(_simulate_run, [runs[i] for i in order]), strict=True))
+    return [reports[i] for i in range(len(runs))]
 
 
 def _simulate_run(run: tuple[SimConfig, Sequence[TraceSession]]) -> SimReport:
