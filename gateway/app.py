@@ -1,8 +1,13 @@
-"""The gateway's HTTP surface: OpenAI's chat completions, sessions, health and metrics.
+"""The gateway's HTTP surface: the APIs agents speak, sessions, health and metrics.
 
 A thin FastAPI shell over the coordinator (gateway.coordinator): it reads and checks
-the request, maps every failure to an OpenAI-shaped error with its status code, and
-relays the exchange's events as they come.
+the request, maps every failure to an error with its status code, and relays the
+exchange's events as they come. Three APIs share one path (``begin`` reads the request,
+``start`` opens the exchange and waits for its first event, both in :func:`create_app`): OpenAI's
+chat completions as they are, OpenAI's Responses API (gateway.responses_api) and
+Anthropic's Messages API (gateway.messages_api) translated at the edge into a chat
+body and back. Errors take the shape of the API that was asked: OpenAI's for the
+first two, Anthropic's for ``/v1/messages``.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
@@ -19,11 +26,32 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import messages_api, responses_api
 from gateway.api import APIError, ChatRequest
 from gateway.config import GatewayConfig
 from gateway.coordinator import Gateway
+from gateway.exchange import Exchange
 from gateway.outage import REDIS_DOWN
+from gateway.rounds import Round
 from gateway.upstream import Reply, UpstreamError
+
+MESSAGES_PATH = "/v1/messages"  # Anthropic's API (and its count_tokens): its errors have Anthropic's shape
+
+
+@dataclass
+class Started:
+    """An exchange whose first event is in: its status is 200, and later errors go in-band."""
+
+    ex: Exchange
+    first_round: Round
+    client: Reply  # the reply as the client gets it, filled as the events pass
+    first: bytes
+    events: AsyncIterator[bytes]
+    headers: dict[str, str]  # X-Session-Id, X-AMPD-Route, X-AMPD-Decode-Worker
+
+    @property
+    def model(self) -> str:
+        return self.ex.body["model"]
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -40,10 +68,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.openapi = lambda: _document(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
         gateway.metrics.requests.labels(str(exc.status)).inc()
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        body = messages_api.error_body(exc) if request.url.path.startswith(MESSAGES_PATH) else exc.body()
+        return JSONResponse(body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(aioredis.RedisError)
     async def redis_error(request: Request, exc: aioredis.RedisError) -> JSONResponse:
@@ -97,49 +126,158 @@ def create_app(config: GatewayConfig) -> FastAPI:
             "decode_worker": session.state.decode_worker, "rounds": await gateway.sessions.rounds(scope, session_id),
         }  # fmt: skip
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        scope = gateway.authenticate(request.headers.get("authorization"))
-        raw = await _read_json(request, config.max_body_bytes)
+    responses_store = responses_api.ResponseStore(gateway.redis, config.key_prefix, config.session_ttl_s)
+
+    async def begin(request: Request, api_key_header: bool = False) -> tuple[str, dict[str, Any]]:
+        """The caller's scope and the request's JSON body, as every API route starts."""
+        api_key = request.headers.get("x-api-key") if api_key_header else None
+        scope = gateway.authenticate(request.headers.get("authorization"), api_key)
+        return scope, await _read_json(request, config.max_body_bytes)
+
+    async def start(chat: dict[str, Any], request: Request, scope: str, session_id: str | None = None) -> Started:
+        """Open the exchange for a chat body and wait for its first event: errors up to
+        the first token still get a status code."""
         try:
-            ex, first_round = await gateway.open(raw, dict(request.headers), scope)
+            ex, first_round = await gateway.open(chat, dict(request.headers), scope, session_id)
         except UpstreamError as exc:  # counting the prompt failed: no worker to blame the client for
             raise _upstream_api_error(exc) from exc
         client = Reply(started=ex.arrival)
         events = gateway.converse(ex, first_round, client)
         try:
-            first = await anext(events)  # errors up to the first token still get a status code
+            first = await anext(events)
         except UpstreamError as exc:
             raise _upstream_api_error(exc) from exc
         route = first_round.plan.route  # as decided; the decode worker as it is now (a lost one is replaced)
-        headers = {"X-Session-Id": ex.session.session_id, "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
+        headers = {"X-Session-Id": _header_value(ex.session.session_id),
+                   "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
                    "X-AMPD-Decode-Worker": first_round.decode.info.worker_id}  # fmt: skip
-        if raw.get("stream"):
-            gateway.metrics.requests.labels("200").inc()
-            return StreamingResponse(_relay(first, events), media_type="text/event-stream", headers=headers)
-        async for _ in _safe(events):
+        return Started(ex, first_round, client, first, events, headers)
+
+    async def finish(started: Started) -> None:
+        """Run a non-streaming exchange to its end (``started.client`` holds the reply)."""
+        async for _ in _safe(started.events):
             pass
+
+    def ok(body: dict[str, Any], started: Started) -> JSONResponse:
         gateway.metrics.requests.labels("200").inc()
-        body = client.completion()
-        if ex.rounds:
-            body["ampd_tool_rounds"] = ex.rounds
-        return JSONResponse(body, headers=headers)
+        if started.ex.rounds:
+            body["ampd_tool_rounds"] = started.ex.rounds
+        return JSONResponse(body, headers=started.headers)
+
+    def streaming(events: AsyncIterator[bytes], started: Started) -> StreamingResponse:
+        gateway.metrics.requests.labels("200").inc()
+        return StreamingResponse(events, media_type="text/event-stream", headers=started.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions, relayed as the engines speak it."""
+        scope, raw = await begin(request)
+        started = await start(raw, request, scope)
+        if raw.get("stream"):
+            return streaming(_relay(started.first, started.events), started)
+        await finish(started)
+        return ok(started.client.completion(), started)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API (gateway.responses_api), ``previous_response_id`` included."""
+        scope, raw = await begin(request)
+        asked = responses_api.parse_request(raw)
+        history, session_id = [], None
+        if asked.previous_response_id:
+            stored = await responses_store.load(scope, asked.previous_response_id)
+            history, session_id = stored["messages"], stored["session_id"]
+        started = await start(responses_api.to_chat(raw, asked, history), request, scope, session_id)
+        response_id, created = responses_api.new_response_id(), int(time.time())
+        client = started.client
+
+        async def remember() -> None:
+            """Store the conversation after the instructions, the reply included. Without Redis
+            the answer still stands; only its continuation by ``previous_response_id`` is lost."""
+            if not asked.store:
+                return
+            messages = started.ex.client_messages[1 if asked.instructions else 0 :] + [client.message()]
+            try:
+                await responses_store.save(scope, response_id, started.ex.session.session_id, messages)
+            except REDIS_DOWN as exc:
+                gateway.health.failed("response", exc)
+
+        if asked.stream:
+            events = responses_api.ResponseEvents(response_id, asked, started.model, created)
+
+            def completed() -> list[bytes]:
+                return events.finish(client.usage, client.finish_reason)
+
+            relayed = _translated(started, events.start(), events.feed, events.fail, remember, completed)
+            return streaming(relayed, started)
+        await finish(started)
+        await remember()
+        output = responses_api.output_items(client.message())
+        body = responses_api.response_object(response_id, asked, started.model, created, output, "completed",
+                                             client.usage, client.finish_reason)  # fmt: skip
+        return ok(body, started)
+
+    @app.post(MESSAGES_PATH)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (gateway.messages_api); the key in ``x-api-key`` or as a Bearer token."""
+        scope, raw = await begin(request, api_key_header=True)
+        asked = messages_api.parse_request(raw)
+        started = await start(messages_api.to_chat(raw, asked), request, scope)
+        message_id, client = messages_api.new_message_id(), started.client
+        if asked.stream:
+            prompt = started.first_round.plan.task.l_total
+            stream = messages_api.MessageEvents(message_id, started.model, prompt, asked.stop_sequences)
+
+            def stopped() -> list[bytes]:
+                return stream.finish(client.finish_reason, client.stop_reason, client.usage)
+
+            return streaming(_translated(started, stream.start(), stream.feed, stream.fail, None, stopped), started)
+        await finish(started)
+        body = messages_api.message_object(message_id, started.model, client.message(), client.finish_reason,
+                                           client.stop_reason, asked.stop_sequences, client.usage)  # fmt: skip
+        return ok(body, started)
+
+    @app.post(f"{MESSAGES_PATH}/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        """Anthropic's token counting: the prompt a Messages request would have, counted by an engine."""
+        _, raw = await begin(request, api_key_header=True)  # counted, not run: no session
+        asked = messages_api.parse_request(raw, messages_api.CountTokensRequest)
+        try:
+            return {"input_tokens": await gateway.count(messages_api.to_chat(raw, asked))}
+        except UpstreamError as exc:
+            raise _upstream_api_error(exc) from exc
 
     return app
 
 
+DOCUMENTED_BODIES = {  # the request bodies FastAPI cannot see: the routes read them themselves
+    "/v1/chat/completions": ChatRequest,
+    "/v1/responses": responses_api.ResponsesRequest,
+    MESSAGES_PATH: messages_api.MessagesRequest,
+    f"{MESSAGES_PATH}/count_tokens": messages_api.CountTokensRequest,
+}
+
+
 def _document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's OpenAPI document plus the chat request's body, which FastAPI cannot see:
-    the route reads its body itself, for the size limit and OpenAI-shaped errors."""
+    """FastAPI's OpenAPI document plus the request bodies of the three APIs, which FastAPI
+    cannot see: the routes read their bodies themselves, for the size limit and their errors."""
     if app.openapi_schema is None:
         document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        body = ChatRequest.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas = document.setdefault("components", {}).setdefault("schemas", {})
-        schemas.update(body.pop("$defs", {}), ChatRequest=body)
-        content = {"application/json": {"schema": {"$ref": "#/components/schemas/ChatRequest"}}}
-        document["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {"required": True, "content": content}
+        for path, model in DOCUMENTED_BODIES.items():
+            name = model.__name__
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}), **{name: body})
+            content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
+            document["paths"][path]["post"]["requestBody"] = {"required": True, "content": content}
         app.openapi_schema = document
     return app.openapi_schema
+
+
+def _header_value(value: str) -> str:
+    """``value`` as a header may carry it: a session id from a body field may hold any
+    character, and one a header cannot carry is percent-encoded (as a URL path takes it)."""
+    return value if all(" " <= c <= "~" for c in value) else quote(value, safe="")
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -169,6 +307,46 @@ async def _relay(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
         error = _upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc
         yield f"data: {json.dumps(error.body())}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+async def _translated(
+    started: Started,
+    opening: list[bytes],
+    feed: Callable[[dict[str, Any]], list[bytes]],
+    fail: Callable[[APIError], list[bytes]],
+    remember: Callable[[], Any] | None,
+    closing: Callable[[], list[bytes]],
+) -> AsyncIterator[bytes]:
+    """A chat stream re-spoken in another API's events: ``feed`` turns each chat chunk
+    into that API's events, ``closing`` ends them once the exchange is over (after
+    ``remember``, so what it stores is there when the client sees the end); a failure
+    after the status line is reported in-band with ``fail``."""
+    yield b"".join(opening)
+    try:
+        async for chunk in _chat_chunks(started.first, started.events):
+            out = feed(chunk)
+            if out:
+                yield b"".join(out)
+    except (UpstreamError, APIError) as exc:
+        yield b"".join(fail(_upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc))
+        return
+    if remember is not None:
+        await remember()
+    yield b"".join(closing())
+
+
+async def _chat_chunks(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The chat chunks (JSON) of the exchange's SSE events, ``[DONE]`` left out."""
+    pending, data = b"", first
+    while True:
+        *events, pending = (pending + data).split(b"\n\n")
+        for event in events:
+            if event.startswith(b"data: ") and event[6:] != b"[DONE]":
+                yield json.loads(event[6:])
+        try:
+            data = await anext(rest)
+        except StopAsyncIteration:
+            return
 
 
 async def _safe(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -127,11 +127,12 @@ class Gateway:
             gauge.labels(worker.info.worker_id, role).set(1)
 
     # -- an exchange begins -----------------------------------------------------------------
-    def authenticate(self, authorization: str | None) -> str:
-        """The caller's scope: sessions, hashes and ids are namespaced by it."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
+        """The caller's scope: sessions, hashes and ids are namespaced by it. The key is
+        ``Authorization: Bearer <key>``, else ``api_key`` (Anthropic's ``x-api-key`` header)."""
         if not self.key_hashes:
             return PUBLIC_SCOPE
-        key = (authorization or "").removeprefix("Bearer ").strip()
+        key = (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
         digest = hashlib.sha256(key.encode()).hexdigest()
         if not key or digest not in self.key_hashes:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
@@ -156,8 +157,12 @@ class Gateway:
             raise APIError(503, f"no decode worker is available for {requested}", code="no_worker")
         return requested
 
-    async def open(self, raw: dict[str, Any], headers: dict[str, str], scope: str) -> tuple[Exchange, Round]:
-        """Everything before the first prefill runs: session, binding, counting, the plan."""
+    async def open(
+        self, raw: dict[str, Any], headers: dict[str, str], scope: str, session_id: str | None = None
+    ) -> tuple[Exchange, Round]:
+        """Everything before the first prefill runs: session, binding, counting, the plan.
+        ``session_id``: the session the API's own state names (a Responses request's
+        ``previous_response_id``), taken before any the client gave."""
         arrival = time.time()
         try:
             request = ChatRequest.model_validate(raw)
@@ -169,7 +174,7 @@ class Gateway:
         engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         hashes = conversation_hashes(scope, messages)
-        explicit = explicit_session_id(headers, raw)
+        explicit = session_id or explicit_session_id(headers, raw)
         # One concurrent stage: the session, the prompt's length, and the load signals of
         # every worker the round could go to (which one it is depends on the first two).
         found, l_total, signals = await asyncio.gather(
@@ -194,6 +199,18 @@ class Gateway:
         )  # fmt: skip
         exchange.rebound(bound)
         return exchange, self.rounds.plan(exchange, bound, l_total, arrival, signals)
+
+    async def count(self, raw: dict[str, Any]) -> int:
+        """The prompt tokens of a chat body as its first round would count them (its
+        server tools included), without running it: Anthropic's ``count_tokens``."""
+        try:
+            request = ChatRequest.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc) from exc
+        check_tool_messages(request.messages)
+        model = self.resolve_model(request.model)
+        tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(self._enabled_tools(request))]
+        return await self._count(model, [m.model_dump(exclude_none=True) for m in request.messages], tools or None)
 
     def _enabled_tools(self, request: ChatRequest) -> frozenset[str]:
         wanted = frozenset(request.server_tools or ())

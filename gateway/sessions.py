@@ -1,7 +1,9 @@
 """Sessions: who a request belongs to, and what the gateway remembers about it.
 
-Identity, in order: the ``X-Session-Id`` header, else the body's ``prompt_cache_key``,
-``user`` or ``metadata.session_id``, else inference from the conversation itself.
+Identity, in order: a session header (``X-Session-Id`` first, then the headers agent
+clients send on their own: see :func:`explicit_session_id`), else the body's
+``prompt_cache_key``, ``user`` or ``metadata.session_id``, else inference from the
+conversation itself.
 After every round the gateway stores a hash of the whole conversation so far -
 request messages plus the assistant's reply - under the session; a later request
 whose message list starts with exactly that conversation continues the session. Only
@@ -54,13 +56,42 @@ class Session:
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in flat.items()}
 
 
+# Session headers, in the order they are taken (lower case, as the server sees them):
+SESSION_HEADERS = (
+    "x-session-id",  # ampd's own (OpenCode sends it too, per Dynamo's agent docs)
+    "x-dynamo-session-id",  # NVIDIA Dynamo's canonical agent session header
+    "x-claude-code-session-id",  # Claude Code: one id per CLI session
+    "thread-id",  # Codex CLI (current): the conversation thread
+    "session_id",  # Codex CLI (codex-rs build_conversation_headers): the conversation id
+    "session-id",  # Codex CLI (releases Dynamo 1.3/1.4 map)
+    "conversation_id",  # Codex CLI (older releases, alongside session_id)
+)
+
+
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    """The session id a client gave, if any (header first, then body fields)."""
+    """The session id a client gave, if any: the first of
+
+    1. ``X-Session-Id`` (ampd's own header);
+    2. ``X-Dynamo-Session-ID`` (NVIDIA Dynamo's agent header, for clients already set up for it);
+    3. ``X-Claude-Code-Session-Id`` (sent by Claude Code on every request);
+    4. Codex CLI's ``thread-id``, ``session_id``, ``session-id``, ``conversation_id`` headers;
+    5. the body's ``prompt_cache_key`` (Codex sends its conversation id there too), ``user``,
+       ``metadata.session_id`` (where /v1/messages puts Anthropic's ``metadata.user_id``
+       and /v1/responses its ``conversation``).
+
+    The OpenAI Agents SDK sends no session header: it chains responses by
+    ``previous_response_id``, which /v1/responses resolves to the stored session before
+    this is asked. Ids are scoped to the caller's API key by the session store, so two
+    tenants giving the same id get two sessions."""
+    for name in SESSION_HEADERS:
+        value = headers.get(name)
+        if value and value.strip():
+            return value.strip()
+    metadata = body.get("metadata")
     candidates = [
-        headers.get("x-session-id"),
         body.get("prompt_cache_key"),
         body.get("user"),
-        (body.get("metadata") or {}).get("session_id") if isinstance(body.get("metadata"), dict) else None,
+        metadata.get("session_id") if isinstance(metadata, dict) else None,
     ]
     return next((str(c) for c in candidates if c), None)
 

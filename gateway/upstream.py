@@ -47,6 +47,7 @@ class Reply:
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string (or token id) that ended the reply
     usage: dict[str, Any] | None = None
     head: dict[str, Any] | None = None  # id, created, model of the first chunk
 
@@ -86,6 +87,7 @@ class Reply:
                 self._merge_call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+                self.stop_reason = choice.get("stop_reason")
         return True
 
     def _merge_call(self, delta: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 A gateway and a GPU-free worker run in subprocesses; schemathesis generates requests
 from the gateway's own document - valid ones and ones that break it - for every
-operation. Whatever it sends: no 5xx, and every error in OpenAI's shape.
+operation. Whatever it sends: no 5xx, and every error in OpenAI's shape (Anthropic's
+for Anthropic's Messages API, ``/v1/messages`` and its ``count_tokens``).
 
 Hypothesis drives schemathesis's strategies directly: schemathesis's pytest
 integration reads a pytest internal that pytest 9.2 removed.
@@ -45,7 +46,8 @@ def gateway_url(tmp_path_factory):
 def test_no_request_gets_a_5xx_and_every_error_is_openai_shaped(gateway_url, mode):
     schema = schemathesis.openapi.from_url(f"{gateway_url}/openapi.json", timeout=10)
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/sessions/{session_id}", "/v1/models"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/responses", "/v1/messages",
+                                              "/v1/sessions/{session_id}", "/v1/models"}  # fmt: skip
     if mode is GenerationMode.NEGATIVE:  # only what takes input can be given wrong input
         operations = [op for op in operations if op.method.upper() == "POST"]  # a path string is never invalid
     answered: Counter[tuple[str, int]] = Counter()
@@ -58,7 +60,11 @@ def test_no_request_gets_a_5xx_and_every_error_is_openai_shaped(gateway_url, mod
             response = case.call(base_url=gateway_url, timeout=60)
             answered[(case.path, response.status_code)] += 1
             assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
-            if response.status_code >= 400:
+            if response.status_code >= 400 and case.path.startswith("/v1/messages"):  # Anthropic's, Anthropic's errors
+                body = response.json()
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+                assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+            elif response.status_code >= 400:
                 error = response.json()["error"]
                 assert set(error) == {"message", "type", "param", "code"}, error
                 assert isinstance(error["message"], str) and error["message"], error
@@ -68,5 +74,6 @@ def test_no_request_gets_a_5xx_and_every_error_is_openai_shaped(gateway_url, mod
     # Not vacuous: valid requests were served, and broken ones refused. A request
     # schemathesis broke may still be served, since the gateway passes what it does not
     # need to check through to the engine: only the 400s are required.
-    chat = {status for (path, status) in answered if path == "/v1/chat/completions"}
-    assert (200 if mode is GenerationMode.POSITIVE else 400) in chat, chat
+    for api in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        statuses = {status for (path, status) in answered if path == api}
+        assert (200 if mode is GenerationMode.POSITIVE else 400) in statuses, (api, statuses)
