@@ -236,6 +236,9 @@ def plan_command(
     validate: Annotated[bool, typer.Option(help="also simulate every feasible configuration and compare")] = False,
     out: Annotated[Path, typer.Option(help="deployment file to write (and its .env twin)")] = Path("deployment.json"),
     report: Annotated[Path | None, typer.Option(help="write the ranking and taus as JSON here")] = None,
+    helm_values: Annotated[
+        Path | None, typer.Option(help="also write the deployment as values for the Helm chart (deploy/helm/ampd)")
+    ] = None,
 ) -> None:
     """Pick TP and DP for each phase (simulated taus, then Eq. 5 solved with SCIP); for an
     elastic policy, the pool and its split at each load (simulated)."""
@@ -254,7 +257,7 @@ def plan_command(
         if len(capacity) != 1:
             raise fail("an elastic pool is one GPU type: pass a count, e.g. --gpus 8 --gpu-type H20")
         ((gpu, count),) = capacity.items()
-        _plan_pool(book, sessions, gpu, count, slo, itl_slo_metric, policy, out)
+        _plan_pool(book, sessions, gpu, count, slo, itl_slo_metric, policy, out, helm_values)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -284,8 +287,8 @@ def plan_command(
         )  # fmt: skip
     console.print(table)
     console.print(
-        f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)}; {len(result.options)} tau coefficients from "
-        f"{len(result.samples)} simulations; SCIP solved top {len(result.ranked)} in {result.solve_s:.2f} s"
+        f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)}; {len(result.options)} tau coefficients, "
+        f"{len(result.samples)} simulated and the rest bounded; SCIP's solves took {result.solve_s:.2f} s"
     )
     if checked:
         side = Table("rank", "planner (Eq. 5)", "simulated whole (by SLO attainment)", "attainment")
@@ -309,12 +312,15 @@ def plan_command(
             deployment = deployment.model_copy(update={phase: chosen.model_copy(update={"profile": str(path)})})
     env = deployment.write(out)
     console.print(f"wrote {out} and {env}")
+    _write_helm_values(deployment, helm_values)
     if report is not None:
         report.write_text(json.dumps(_plan_json(result, checked), indent=2) + "\n")
         console.print(f"wrote {report}")
 
 
-def _plan_pool(book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path) -> None:
+def _plan_pool(
+    book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path, helm: Path | None = None
+) -> None:
     """`ampd plan --policy elastic`: each pool's role plan, the pools ranked by the elastic
     policy simulated on the trace, and the deployment file of the best."""
     from perfmodel.profile import shipped_profiles
@@ -350,9 +356,25 @@ def _plan_pool(book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, pol
     )  # fmt: skip
     env = deployment.write(out)
     console.print(f"wrote {out} and {env}")
+    _write_helm_values(deployment, helm)
+
+
+def _write_helm_values(deployment, path: Path | None) -> None:
+    """`ampd plan --helm-values`: the deployment as the Helm chart's values (JSON, which is
+    YAML: `helm install -f` reads it), profile files the plan derived embedded in them."""
+    if path is None:
+        return
+    files = [p.profile for p in (deployment.prefill, deployment.decode, deployment.pool) if p is not None]
+    texts = {f: Path(f).read_text() for f in files if f.endswith(".json")}
+    header = "# ampd plan's deployment as values for deploy/helm/ampd (JSON is YAML): helm install -f this\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + json.dumps(deployment.helm_values(texts), indent=2) + "\n")
+    console.print(f"wrote {path}")
 
 
 def _plan_json(result, checked) -> dict:
+    simulated = {(s.phase, s.gpu, s.tp, s.replicas) for s in result.samples}  # the rest are bounds (tau_search)
+
     def entry(r) -> dict:
         d = r.deployment
         return {"configuration": _config(d), "eq5_rank": r.eq5_rank, "z": d.z, "tau_prefill": d.prefill.tau,
@@ -362,6 +384,6 @@ def _plan_json(result, checked) -> dict:
         "slo": {"ttft_s": result.slo.ttft_s, "itl_s": result.slo.itl_s},
         "planner": [entry(r) for r in result.ranked],
         "exhaustive": [entry(r) for r in checked],
-        "taus": [asdict(o) for o in result.options],
+        "taus": [asdict(o) | {"simulated": (o.phase, o.gpu, o.tp, o.replicas) in simulated} for o in result.options],
         "solve_s": result.solve_s,
     }

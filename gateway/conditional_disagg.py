@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.routing import Route, RouteContext, local_cost, remote_cost, shortest_remote
+from gateway.routing import Route, RouteContext, local_cost, remote_costs, shortest_remote
 
 DynamoPolicy = Literal["isl_bounding", "prefill_load", "isl_or_load"]
 
@@ -60,7 +60,8 @@ class ConditionalDisagg:
         return eff_isl < self.eff_isl_threshold and eff_isl / max(prompt, 1) < self.eff_isl_ratio_threshold
 
     def prefill_busy(self, ctx: RouteContext) -> bool:
-        chosen = min(ctx.prefills, key=lambda p: remote_cost(ctx.task, p, ctx.decode))
+        costs = remote_costs(ctx)
+        chosen = ctx.prefills[costs.index(min(costs))]
         return chosen.active_tokens > self.prefill_busy_threshold * chosen.token_budget
 
     def __call__(self, ctx: RouteContext) -> Route:

@@ -119,10 +119,29 @@ def local_cost(task: PrefillTask, decode: WorkerView) -> float:
     return local_compute(task, decode) + decode.queue_cost
 
 
+def remote_work(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:
+    """Eq. 2 without the queue: compute what i lacks, and d pulls what it lacks (vLLM's protocol)."""
+    transfer = t_kv(task.l_total - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
+    return remote_compute(task, prefill) + transfer
+
+
 def remote_cost(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:
     """Eq. 2 as vLLM's protocol allows: compute what i lacks, d pulls what it lacks, plus i's queue."""
-    transfer = t_kv(task.l_total - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
-    return remote_compute(task, prefill) + transfer + prefill.queue_cost
+    return remote_work(task, prefill, decode) + prefill.queue_cost
+
+
+def remote_costs(ctx: RouteContext) -> list[float]:
+    """Eq. 2 for each of ``ctx.prefills``, in order. Workers that differ only in their
+    queues share one computation of the rest: a pool of identical replicas (a planned
+    cluster's tens of them, every round) prices its prompt once."""
+    known: dict[tuple[int, float, int, int], float] = {}
+    costs = []
+    for p in ctx.prefills:
+        key = (id(p.profile), p.speed, min(p.cached_tokens, ctx.task.l_total - 1), p.prefill_chunk)
+        if key not in known:
+            known[key] = remote_work(ctx.task, p, ctx.decode)
+        costs.append(known[key] + p.queue_cost)
+    return costs
 
 
 def adaptive_route(ctx: RouteContext, stalls: bool = False) -> Route:
@@ -149,7 +168,7 @@ def adaptive_route(ctx: RouteContext, stalls: bool = False) -> Route:
     round in twenty suffers, and the tail rules judge exactly those.
     """
     task, decode, budget = ctx.task, ctx.decode, ctx.alpha * ctx.slo.ttft_s
-    remote = [(remote_cost(task, p, decode), p) for p in ctx.prefills]
+    remote = list(zip(remote_costs(ctx), ctx.prefills, strict=True))
     slack = [(cost, p) for cost, p in remote if (p.windowed_ttft or 0.0) <= budget and cost <= budget]
     if slack:  # lines 1-3
         ctx.rng.shuffle(slack)
@@ -180,6 +199,6 @@ def local_only(ctx: RouteContext) -> Route:
 
 def shortest_remote(ctx: RouteContext) -> Route:
     """Always remote, to the prefill worker with the lowest Eq. 2 cost (the disaggregated baseline)."""
-    costs = [(remote_cost(ctx.task, p, ctx.decode), p.worker_id) for p in ctx.prefills]
+    costs = [(cost, p.worker_id) for cost, p in zip(remote_costs(ctx), ctx.prefills, strict=True)]
     cost, worker_id = min(costs)
     return Route("remote", worker_id, "policy", cost)

@@ -80,11 +80,14 @@ class WindowedStats:
 
 
 class WindowedMeans:
-    """The same statistics in one process's memory (the simulator's)."""
+    """The same statistics in one process's memory (the simulator's). A mean is summed once
+    per (series, worker) until an observation or the window's start changes it: a planned
+    cluster's routing reads every prefill worker's mean every round."""
 
     def __init__(self, window_s: int) -> None:
         self.window_s = window_s
         self.buckets: dict[tuple[str, str], dict[int, list[float]]] = {}
+        self._summed: dict[tuple[str, str], tuple[int, float | None]] = {}  # (window's first bucket, mean)
 
     def record(self, o: Observation, now: float) -> None:
         if o.count <= 0:
@@ -96,15 +99,21 @@ class WindowedMeans:
         held[1] += o.count
         for old in [s for s in buckets if s <= second - self.window_s]:
             del buckets[old]
+        self._summed.pop((o.series, o.worker_id), None)
 
     def mean(self, series: str, worker_id: str, now: float) -> float | None:
+        first = first_bucket(now, self.window_s)
+        summed = self._summed.get((series, worker_id))
+        if summed is not None and summed[0] == first:
+            return summed[1]
         buckets = self.buckets.get((series, worker_id))
         if not buckets:
             return None
-        first = first_bucket(now, self.window_s)
         total = count = 0.0
         for second, (s, n) in buckets.items():
             if second >= first:
                 total += s
                 count += n
-        return total / count if count else None
+        mean = total / count if count else None
+        self._summed[(series, worker_id)] = (first, mean)
+        return mean

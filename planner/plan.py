@@ -1,25 +1,29 @@
 """Offline planning: simulated tau coefficients, Eq. 5, and the deployment file.
 
-AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 5 and Appendix A. For every GPU type,
-feasible TP degree n (the weights and a working KV cache fit: perfmodel.memory) and
-replica count m, the simulator (planner.simulator) runs one replica of degree n of a
-phase on the share of the trace one of m replicas gets (every m-th session), with every
-prefill remote (``disagg``) so that each phase is measured on its own work, and the
-other phase ample (the whole cluster), so that it neither starves nor floods the
-measured one. That gives
+AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving"), section 5 and
+Appendix A. For a GPU type t, feasible TP degree n (the weights and a working KV cache
+fit: perfmodel.memory) and replica count m, the simulator (planner.simulator) runs one
+replica of degree n of a phase on the share of the trace one of m replicas gets (every
+m-th session), with every prefill remote (``disagg``) so that each phase is measured on
+its own work, and the other phase ample (that share of the cluster), so that it neither
+starves nor floods the measured one. That gives
 
 * tau_pre(t, n, m) = P95 prefill-phase latency (queue + prefill on the prefill worker) / TTFT_thres,
 * tau_dec(t, n, m) = P95 per-round ITL / ITL_thres (each round's ITL by the ITL rule in
   force: its mean gap, its P95 gap or its longest, perfmodel.slo),
 
 normalised by their SLOs so that a prefill bottleneck and a decode bottleneck compare
-in Eq. 5's single Z (the paper leaves tau's unit open). planner.ilp then solves Eq. 5
-with SCIP for the top configurations, which are finally simulated whole, with the
-serving policy, for their predicted P95 TTFT and SLO attainment.
+in Eq. 5's single Z (the paper leaves tau's unit open). Not every (t, n, m) is
+simulated: planner.tau_search bounds the rest by monotonicity in m and simulates only
+where Eq. 5's best could lie, planner.ilp solving Eq. 5 with SCIP on the way. Its best
+configurations are finally simulated whole, with the serving policy, for their
+predicted P95 TTFT and SLO attainment; a candidate with no more replicas of either
+phase than another is not, as it cannot rank above that one.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -34,8 +38,9 @@ from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Profile, load_profile
 from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
 from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
-from planner.ilp import Deployment, PoolOption, enumerate_deployments, solve_with_stats
+from planner.ilp import Deployment, PoolOption, enumerate_deployments
 from planner.simulator import Pool, SimConfig, SimReport, simulate
+from planner.tau_search import Family, Sample, search
 from planner.trace import TraceSession, subsample
 from workers.sim.scheduler import SchedulerConfig
 
@@ -115,48 +120,75 @@ class TauSample:
     report: SimReport
 
 
-def tau_options(
-    book: ProfileBook,
-    sessions: Sequence[TraceSession],
-    capacity: Mapping[str, int],
-    slo: SLO,
-    progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
-    jobs: int = 1,
-) -> tuple[list[PoolOption], list[TauSample]]:
-    """tau_pre and tau_dec for every (type, degree, replicas) that leaves room for the other phase."""
+def tau_families(
+    book: ProfileBook, sessions: Sequence[TraceSession], capacity: Mapping[str, int], slo: SLO
+) -> list[Family]:
+    """Every (phase, type, degree) with the replica counts that leave room for the other
+    phase; prefill counts whose replicas `prefill_overwhelmed` shows far past the SLO are left out."""
     degrees = {gpu: book.feasible(gpu) for gpu in capacity}
     if not any(degrees.values()):
         raise ValueError(f"{book.model.name} fits on no TP degree of {', '.join(capacity)}")
     smallest = min(d[0] for d in degrees.values() if d)  # GPUs the other phase needs at least
-    measured = {"slo": slo, "policy": "disagg", "itl_rule": itl_rule}
-    trace = list(sessions)
-    kinds: list[tuple[str, str, int, int]] = []  # (phase, gpu, tp, replicas) of each run
-    runs: list[tuple[SimConfig, list[TraceSession]]] = []
+    families = []
     for gpu, count in capacity.items():
         for tp in degrees[gpu]:
+            most = min(count // tp, (sum(capacity.values()) - smallest) // tp, len(sessions))
+            counts = range(1, most + 1)
             profile = book.get(gpu, tp)
-            for replicas in range(1, (sum(capacity.values()) - smallest) // tp + 1):
-                if tp * replicas > count:
-                    break
-                share = list(subsample(trace, replicas))
-                if not share:
-                    break
-                one, ample = Pool(profile, 1), _ample(book, capacity, replicas)
-                if not prefill_overwhelmed(profile, share, slo):
-                    kinds.append(("prefill", gpu, tp, replicas))
-                    runs.append((SimConfig(decode=ample, prefill=one, **measured), share))
-                kinds.append(("decode", gpu, tp, replicas))
-                runs.append((SimConfig(decode=one, prefill=ample, **measured), share))
-    if progress:
-        progress(f"tau: {len(runs)} simulations of one replica on its share, {jobs} at a time")
-    options, samples = [], []
-    for (phase, gpu, tp, replicas), report in zip(kinds, simulate_all(runs, jobs), strict=True):
-        samples.append(TauSample(phase, gpu, tp, replicas, report))
-        tau = report.tau_prefill if phase == "prefill" else report.tau_decode
-        if tau is not None:
-            options.append(PoolOption(phase, gpu, tp, replicas, tau))
-    return options, samples
+            fed = [m for m in counts if not prefill_overwhelmed(profile, list(subsample(sessions, m)), slo)]
+            families += [Family(phase, gpu, tp, tuple(c)) for phase, c in (("prefill", fed), ("decode", counts)) if c]
+    return families
+
+
+def tau_run(
+    book: ProfileBook,
+    sessions: Sequence[TraceSession],
+    capacity: Mapping[str, int],
+    slo: SLO,
+    itl_rule: ItlRule,
+    sample: Sample,
+) -> tuple[SimConfig, list[TraceSession]]:
+    """One replica of ``sample``'s degree on its 1/m share of the trace, every prefill remote
+    (``disagg``) so that each phase is measured on its own work, the other phase ample."""
+    phase, gpu, tp, replicas = sample
+    one, ample = Pool(book.get(gpu, tp), 1), _ample(book, capacity, replicas)
+    pools = {"decode": ample, "prefill": one} if phase == "prefill" else {"decode": one, "prefill": ample}
+    config = SimConfig(**pools, slo=slo, policy="disagg", itl_rule=itl_rule)
+    return config, list(subsample(sessions, replicas))
+
+
+@dataclass(frozen=True)
+class TauResult:
+    options: list[PoolOption]  # simulated taus, and bounds where none was needed
+    samples: list[TauSample]  # the simulations made
+    best: list[Deployment]  # Eq. 5's best on them, every tau of theirs simulated
+    solve_s: float  # SCIP's time, all solves together
+
+
+def search_taus(
+    book: ProfileBook,
+    sessions: Sequence[TraceSession],
+    capacity: Mapping[str, int],
+    slo: SLO,
+    top: int,
+    progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
+    jobs: int = 1,
+) -> TauResult:
+    """Eq. 5's ``top`` deployments with taus simulated only where they can lie (planner.tau_search)."""
+    trace = list(sessions)
+    samples: list[TauSample] = []
+
+    def measure(wanted: Sequence[Sample]) -> list[float | None]:
+        if progress:
+            progress(f"tau: {len(wanted)} simulations of one replica on its share ({len(samples)} so far)")
+        runs = [tau_run(book, trace, capacity, slo, itl_rule, s) for s in wanted]
+        reports = simulate_all(runs, jobs)
+        samples.extend(TauSample(*s, r) for s, r in zip(wanted, reports, strict=True))
+        return [r.tau_prefill if s[0] == "prefill" else r.tau_decode for s, r in zip(wanted, reports, strict=True)]
+
+    found = search(tau_families(book, trace, capacity, slo), measure, capacity, top)
+    return TauResult(found.options, samples, found.best, found.solve_s)
 
 
 def simulate_all(runs: Sequence[tuple[SimConfig, Sequence[TraceSession]]], jobs: int = 1) -> list[SimReport]:
@@ -220,6 +252,16 @@ class RankedPlan:
     eq5_rank: int = 0  # its place in the SCIP ranking (1 = Eq. 5's optimum)
 
 
+def dominates(more: Deployment, less: Deployment) -> bool:
+    """Whether ``more`` is ``less`` with at least as many replicas in each phase (the same GPU
+    types and degrees). It serves the same trace with more of everything, so its SLO
+    attainment is at least ``less``'s (up to the noise of a P95 TTFT between two at 100%):
+    the re-ranking spares ``less``'s simulation. At 256 GPUs that is three of Eq. 5's five."""
+    same = all((a.gpu, a.tp) == (b.gpu, b.tp) for a, b in ((more.prefill, less.prefill), (more.decode, less.decode)))
+    wider = more.prefill.replicas >= less.prefill.replicas and more.decode.replicas >= less.decode.replicas
+    return same and wider and more != less
+
+
 def attainment_key(report: SimReport) -> tuple[float, float]:
     """Sorts best first: higher simulated SLO attainment, then lower P95 TTFT."""
     return (-report.slo_attainment_rounds, report.ttft.p95_s or 0.0)
@@ -259,14 +301,15 @@ def plan(
     and the whole-system simulation of a handful of candidates makes the call. The
     Eq. 5 rank stays in the result for comparison.
     """
-    options, samples = tau_options(book, sessions, capacity, slo, progress, itl_rule, jobs)
-    deployments, stats = solve_with_stats(options, capacity, top=max(top, candidates))
+    taus = search_taus(book, sessions, capacity, slo, max(top, candidates), progress, itl_rule, jobs)
+    ranked = list(enumerate(taus.best, 1))
+    judged = [(rank, d) for rank, d in ranked if not any(dominates(other, d) for _, other in ranked)]
     if progress:
-        progress(f"predict Eq. 5's best {len(deployments)}, simulated whole")
-    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in deployments]
-    simulated = [RankedPlan(d, report, rank) for rank, (d, report) in
-                 enumerate(zip(deployments, simulate_all(runs, jobs), strict=True), 1)]  # fmt: skip
-    return PlanResult(by_attainment(simulated)[:top], options, samples, slo, sum(stats.seconds))
+        progress(f"predict {len(judged)} of Eq. 5's best {len(ranked)}, simulated whole (the rest have less of both)")
+    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for _, d in judged]
+    reports = simulate_all(runs, jobs)
+    simulated = [RankedPlan(d, report, rank) for (rank, d), report in zip(judged, reports, strict=True)]
+    return PlanResult(by_attainment(simulated)[:top], taus.options, taus.samples, slo, taus.solve_s)
 
 
 def exhaustive(
@@ -291,6 +334,9 @@ def exhaustive(
 
 
 # -- the deployment file ---------------------------------------------------------------
+HELM_PROFILE_DIR = "/etc/ampd/profiles"  # where the Helm chart mounts profiles a plan derived
+
+
 class PhaseDeployment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -340,6 +386,34 @@ class DeploymentFile(BaseModel):
         if self.role_plan is not None:  # JSON, quoted for docker compose
             lines["AMPD_ROLE_PLAN"] = f"'{role_plan_json(self.role_plan)}'"
         return "".join(f"{k}={v}\n" for k, v in lines.items())
+
+    def helm_values(self, profile_files: Mapping[str, str] | None = None) -> dict:
+        """The same decision as values for the Helm chart (deploy/helm/ampd): model and its
+        weights, policy, each pool's GPU type, TP, replicas and profile (absent pools at 0
+        replicas), the role plan and the SLOs. A profile given as a file (derived by the
+        planner, not shipped in the images) travels in the values - its text from
+        ``profile_files`` (path -> JSON) - and the engines read it from a ConfigMap mounted
+        at HELM_PROFILE_DIR (gateways get profiles from the engines' registrations)."""
+        values: dict = {"model": self.model, "policy": self.policy, "profiles": {}}
+        spec = MODELS.get(self.model)
+        if spec is not None:
+            values["engines"] = {"vllm": {"model": spec.hf_id}}
+        for name in ("prefill", "decode", "pool"):
+            phase: PhaseDeployment | None = getattr(self, name)
+            if phase is None:
+                values[name] = {"replicas": 0}
+                continue
+            profile = phase.profile
+            if profile.endswith(".json"):  # a file beside the deployment, not a shipped name
+                file = Path(profile).name
+                if profile_files is None or profile not in profile_files:
+                    raise ValueError(f"profile file {profile} is not in the images: pass its text")
+                values["profiles"][file] = profile_files[profile]
+                profile = f"{HELM_PROFILE_DIR}/{file}"
+            values[name] = {"gpu": phase.gpu, "tp": phase.tp, "replicas": phase.replicas, "profile": profile}
+        plan = None if self.role_plan is None else json.loads(role_plan_json(self.role_plan))
+        values["gateway"] = {"rolePlan": plan, "slo": {"ttftS": self.ttft_slo_s, "itlS": self.itl_slo_s}}
+        return values
 
     def write(self, path: Path) -> Path:
         """Writes ``path`` (JSON) and ``path`` with ``.env`` beside it; returns the latter."""

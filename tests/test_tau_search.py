@@ -1,0 +1,113 @@
+"""The lazy search for Eq. 5's coefficients: the same best deployments as every tau simulated."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from perfmodel.slo import derived_slo
+from planner.ilp import Deployment, PoolOption, enumerate_deployments
+from planner.plan import ProfileBook, search_taus, tau_families, tau_run
+from planner.simulator import simulate
+from planner.tau_search import Family, Sample, TauSearch, first_counts, search
+from planner.trace import WORKLOADS, generate
+
+
+def synthetic_tau(sample: Sample) -> float:
+    """Falls with replicas, steeply where a pool is overloaded, flat where it idles; the
+    last term keeps every tau distinct, so that the order has no ties to break."""
+    phase, gpu, tp, m = sample
+    speed = {"H20": 1.0, "L40": 0.45}[gpu] * tp**0.85 * (1.3 if phase == "decode" else 1.0)
+    load = 40.0 / (m * speed)
+    return 0.08 + load**3 / 200 + 1e-6 * (m * tp + {"H20": 0, "L40": 0.5}[gpu] + (phase == "decode") * 0.25)
+
+
+def families(capacity: dict[str, int], degrees: dict[str, Sequence[int]]) -> list[Family]:
+    total = sum(capacity.values())
+    return [
+        Family(phase, gpu, tp, tuple(range(1, min(capacity[gpu], total - 2) // tp + 1)))
+        for gpu in capacity
+        for tp in degrees[gpu]
+        for phase in ("prefill", "decode")
+    ]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "capacity, degrees",
+    [
+        ({"H20": 16}, {"H20": [2, 4, 8]}),
+        ({"H20": 64}, {"H20": [2, 4, 8]}),
+        ({"H20": 256}, {"H20": [2, 4, 8]}),
+        ({"H20": 48, "L40": 64}, {"H20": [2, 4, 8], "L40": [4, 8]}),
+    ],
+)
+def test_the_search_finds_eq5s_best_from_a_fraction_of_the_samples(capacity, degrees):
+    """Eq. 5 on bounds, refined where its best stand on bounds, picks exactly the top five
+    that every tau simulated gives, having measured a fraction of them."""
+    fams = families(capacity, degrees)
+    measured: list[Sample] = []
+
+    def measure(wanted: Sequence[Sample]) -> list[float | None]:
+        assert not set(wanted) & set(measured), "a sample measured twice"
+        measured.extend(wanted)
+        return [synthetic_tau(s) for s in wanted]
+
+    found = search(fams, measure, capacity, top=5)
+    samples = [(f.phase, f.gpu, f.tp, m) for f in fams for m in f.counts]
+    every = [PoolOption(*s, synthetic_tau(s)) for s in samples]
+    exhaustive = enumerate_deployments(every, capacity)[:5]
+    assert [(d.prefill, d.decode) for d in found.best] == [(d.prefill, d.decode) for d in exhaustive]
+    assert {(o.phase, o.gpu, o.tp, o.replicas) for o in found.options} == {
+        (o.phase, o.gpu, o.tp, o.replicas) for o in every
+    }
+    if len(every) > 60:
+        assert len(measured) < len(every) / 2.5
+
+
+@pytest.mark.unit
+def test_bounds_come_from_above_and_bisection_stays_inside_the_bracket():
+    state = TauSearch([Family("prefill", "H20", 8, (1,)), Family("decode", "H20", 8, tuple(range(1, 33)))])
+    assert first_counts(tuple(range(1, 33))) == [32, 16, 8]
+    state.fold(("prefill", "H20", 8, 1), 0.05)
+    for m, tau in ((32, 0.1), (16, 0.3), (8, 0.2)):  # 8 below 16's tau: noise must not loosen the bound
+        state.fold(("decode", "H20", 8, m), tau)
+    taus = {o.replicas: o.tau for o in state.options() if o.phase == "decode"}
+    assert taus[32] == 0.1 and taus[20] == 0.1 and taus[8] == 0.2 and taus[3] == 0.3 and taus[12] == 0.3
+    option = next(o for o in state.options() if o.phase == "decode" and o.replicas == 1)
+    (sample,) = state.wanted([_deployment(option)])
+    assert sample == ("decode", "H20", 8, 3)  # the geometric middle of [1, 8), not 1 itself
+    state.fold(sample, None)  # a sample without rounds of its phase leaves no option
+    assert 3 not in {o.replicas for o in state.options() if o.phase == "decode"}
+
+
+def _deployment(decode: PoolOption) -> Deployment:
+    return Deployment.of(PoolOption("prefill", "H20", 8, 1, 0.05), decode)
+
+
+def test_a_plan_on_simulated_taus_picks_what_every_tau_simulated_picks():
+    """On the simulator itself (16 H20, a small ToolBench trace): the searched taus are
+    those simulated one by one where it simulated them, and Eq. 5's first choice is the
+    same. (Not all five: a share of a few sessions gives noisy taus - prefill TP2 here
+    gives 0.099, 0.141, 0.095 at 4, 5, 6 replicas - and a bound from a noisy neighbour
+    can hide a lucky count; the whole-system re-ranking judges the candidates anyway.)"""
+    book = ProfileBook("llama-3.1-70b")
+    trace = generate(WORKLOADS["toolbench"], 80, 1.5, seed=7)
+    slo = derived_slo(book.get("H20", 2), 5.0)
+    capacity = {"H20": 16}
+    searched = search_taus(book, trace, capacity, slo, top=5)
+    every = []
+    for f in tau_families(book, trace, capacity, slo):
+        for m in f.counts:
+            report = simulate(*tau_run(book, trace, capacity, slo, "mean", (f.phase, f.gpu, f.tp, m)))
+            tau = report.tau_prefill if f.phase == "prefill" else report.tau_decode
+            if tau is not None:
+                every.append(PoolOption(f.phase, f.gpu, f.tp, m, tau))
+    exact = {(o.phase, o.gpu, o.tp, o.replicas): o.tau for o in every}
+    simulated = {(s.phase, s.gpu, s.tp, s.replicas) for s in searched.samples}
+    assert all(exact[(o.phase, o.gpu, o.tp, o.replicas)] == o.tau for o in searched.options
+               if (o.phase, o.gpu, o.tp, o.replicas) in simulated)  # fmt: skip
+    best = enumerate_deployments(every, capacity)[0]
+    assert (searched.best[0].prefill, searched.best[0].decode) == (best.prefill, best.decode)
+    assert len(searched.samples) < len(every)
