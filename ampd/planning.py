@@ -280,9 +280,9 @@ def plan_command(
             raise fail(str(exc)) from exc
     table = Table("rank", "configuration", "Eq. 5 rank", "Z", "tau_pre", "tau_dec", "P95 TTFT", "SLO attainment")
     for i, r in enumerate(result.ranked, 1):
-        d = r.deployment
+        d, eq5 = r.deployment, f"#{r.eq5_rank}" if r.eq5_rank else "split search"
         table.add_row(
-            f"#{i}", _config(d), f"#{r.eq5_rank}", f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
+            f"#{i}", _config(d), eq5, f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
             ms(r.predicted.ttft.p95_s), f"{r.predicted.slo_attainment_rounds:.1%}",
         )  # fmt: skip
     console.print(table)

@@ -40,6 +40,7 @@ from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
 from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
 from planner.simulator import Pool, SimConfig, SimReport, simulate
+from planner.split_search import Climb
 from planner.tau_search import Family, Sample, search
 from planner.trace import TraceSession, subsample
 from workers.sim.scheduler import SchedulerConfig
@@ -249,7 +250,7 @@ def deployment_config(
 class RankedPlan:
     deployment: Deployment
     predicted: SimReport
-    eq5_rank: int = 0  # its place in the SCIP ranking (1 = Eq. 5's optimum)
+    eq5_rank: int = 0  # its place in the SCIP ranking (1 = Eq. 5's optimum; 0: found by the split search)
 
 
 def dominates(more: Deployment, less: Deployment) -> bool:
@@ -298,8 +299,10 @@ def plan(
     Eq. 5 is the paper's surrogate (P95 of the bottleneck phase, each phase measured on
     its own). It cannot see what the serving policy does across phases - AMPD runs
     prefills on decode workers when they have slack - so its optimum is a candidate,
-    and the whole-system simulation of a handful of candidates makes the call. The
-    Eq. 5 rank stays in the result for comparison.
+    and the whole-system simulation of a handful of candidates makes the call. Where
+    even the best of them misses rounds, the split search (planner.split_search) moves
+    GPUs between the phases from there, simulated whole. The Eq. 5 rank stays in the
+    result for comparison.
     """
     taus = search_taus(book, sessions, capacity, slo, max(top, candidates), progress, itl_rule, jobs)
     ranked = list(enumerate(taus.best, 1))
@@ -309,7 +312,43 @@ def plan(
     runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for _, d in judged]
     reports = simulate_all(runs, jobs)
     simulated = [RankedPlan(d, report, rank) for (rank, d), report in zip(judged, reports, strict=True)]
+    if by_attainment(simulated)[0].predicted.slo_attainment_rounds < 1.0:
+        options = taus.options
+        simulated += climb_splits(book, sessions, options, capacity, slo, policy, simulated, progress, itl_rule, jobs)
     return PlanResult(by_attainment(simulated)[:top], taus.options, taus.samples, slo, taus.solve_s)
+
+
+def climb_splits(
+    book: ProfileBook,
+    sessions: Sequence[TraceSession],
+    options: Sequence[PoolOption],
+    capacity: Mapping[str, int],
+    slo: SLO,
+    policy: str,
+    candidates: Sequence[RankedPlan],
+    progress: Progress | None = None,
+    itl_rule: ItlRule = "mean",
+    jobs: int = 1,
+) -> list[RankedPlan]:
+    """planner.split_search from the best candidate of each pair of pools' (type, degree):
+    the deployments it simulated whole on the way (Eq. 5 rank 0: not among Eq. 5's best)."""
+    best: dict[tuple, RankedPlan] = {}
+    for r in by_attainment(candidates):
+        best.setdefault((r.deployment.prefill.pool, r.deployment.decode.pool), r)
+    climbs = [Climb(r.deployment, attainment_key(r.predicted), ["decode", "prefill"]) for r in best.values()]
+    known = {r.deployment: r.predicted for r in candidates}
+    found: list[RankedPlan] = []
+    while steps := [(c, d) for c in climbs if (d := c.step(options, capacity)) is not None]:
+        fresh = list(dict.fromkeys(d for _, d in steps if d not in known))
+        if progress:
+            progress(f"split search: {len(fresh)} configurations simulated whole ({len(found)} so far)")
+        runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in fresh]
+        for d, report in zip(fresh, simulate_all(runs, jobs), strict=True):
+            known[d] = report
+            found.append(RankedPlan(d, report))
+        for c, d in steps:
+            c.moved(d, attainment_key(known[d]))
+    return found
 
 
 def exhaustive(

@@ -4,17 +4,19 @@ subprocesses - plus the pure translation underneath them."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 import uuid
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import anthropic
 import httpx
 import openai
 import pytest
 import redis
+from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
 from gateway import messages_api, responses_api
 from gateway.api import APIError
@@ -157,6 +159,47 @@ def test_responses_streamed_function_call_and_stateless_continuation(stack):
     assert helped.output_text and helped.status == "completed"
     with pytest.raises(openai.NotFoundError):  # store: false kept nothing to continue from
         client.responses.create(model=MODEL, input="And tomorrow?", previous_response_id=second.id)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_openai_agents_sdk_runs_a_tool_agent_unchanged(stack, streamed):
+    """The OpenAI Agents SDK as it ships: its default model speaks the Responses API and
+    sends the whole conversation each turn. An agent with a function tool runs two turns
+    (the call, then the answer after the tool's output), and the gateway keeps them one
+    session, read back in GET /v1/sessions/{id}."""
+    set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+    sessions: list[str] = []
+
+    async def session_of(response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/responses"):
+            sessions.append(response.headers["x-session-id"])
+
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city now."""
+        calls.append(city)
+        return f"21 C and sunny in {city}"
+
+    async def run() -> str:
+        async with httpx.AsyncClient(event_hooks={"response": [session_of]}, timeout=60) as http:
+            client = openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key="unused", http_client=http)
+            agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                          model=OpenAIResponsesModel(model=MODEL, openai_client=client))  # fmt: skip
+            question = f"Weather in Oslo? {uuid.uuid4().hex}"
+            if not streamed:
+                return (await Runner.run(agent, question, max_turns=4)).final_output
+            result = Runner.run_streamed(agent, question, max_turns=4)
+            async for _ in result.stream_events():
+                pass
+            return result.final_output
+
+    answer = asyncio.run(run())
+    assert isinstance(answer, str) and answer.strip()
+    assert len(calls) == 1 and len(sessions) == 2 and sessions[0] == sessions[1]
+    rounds = stack.rounds(unquote(sessions[0]), 2)
+    assert len(rounds) == 2 and rounds[1]["l_hist"] > 0  # the second turn continued the first's KV
 
 
 def test_responses_errors_have_openais_shape(stack):

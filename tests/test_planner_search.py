@@ -1,4 +1,4 @@
-"""The lazy search for Eq. 5's coefficients: the same best deployments as every tau simulated."""
+"""The planner's searches: Eq. 5's coefficients simulated lazily, and the climb along a split."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from perfmodel.slo import derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
 from planner.plan import ProfileBook, search_taus, tau_families, tau_run
 from planner.simulator import simulate
+from planner.split_search import Climb, shifted
 from planner.tau_search import Family, Sample, TauSearch, first_counts, search
 from planner.trace import WORKLOADS, generate
 
@@ -111,3 +112,37 @@ def test_a_plan_on_simulated_taus_picks_what_every_tau_simulated_picks():
     best = enumerate_deployments(every, capacity)[0]
     assert (searched.best[0].prefill, searched.best[0].decode) == (best.prefill, best.decode)
     assert len(searched.samples) < len(every)
+
+
+@pytest.mark.unit
+def test_a_shift_gives_one_replica_s_gpus_to_as_many_of_the_other_phase_as_fit():
+    options = [PoolOption("prefill", "H20", 4, m, 1.0 / m) for m in (1, 2, 3)]
+    options += [PoolOption("decode", "H20", 2, m, 1.0 / m) for m in range(1, 7)]
+    at = Deployment.of(options[2], options[3 + 1])  # P TP4x3 + D TP2x2: 16 GPUs
+    toward_decode = shifted(at, "decode", options, {"H20": 16})
+    assert (toward_decode.prefill.replicas, toward_decode.decode.replicas) == (2, 4)
+    toward_prefill = shifted(toward_decode, "prefill", options, {"H20": 16})
+    assert toward_prefill is None  # a decode replica's 2 GPUs buy no TP4 prefill replica
+    assert shifted(Deployment.of(options[0], options[8]), "decode", options, {"H20": 16}) is None  # one left
+
+
+@pytest.mark.unit
+def test_the_climb_looks_past_a_dip_and_stops_at_the_top():
+    """Attainment along the split dips once before it rises (as simulated on DuReader):
+    the climb finds the top, and closes a way after PATIENCE worse steps."""
+    options = [PoolOption("prefill", "H20", 2, m, 1.0 / m) for m in range(1, 8)]
+    options += [PoolOption("decode", "H20", 2, m, 1.0 / m) for m in range(1, 8)]
+    capacity = {"H20": 16}
+    attainment = {7: 0.30, 6: 0.25, 5: 0.55, 4: 0.70, 3: 0.60, 2: 0.50, 1: 0.40}  # by prefill replicas
+
+    def key(d: Deployment) -> tuple[float, float]:
+        return (-attainment[d.prefill.replicas], 0.0)
+
+    start = Deployment.of(options[6], options[7])  # P TP2x7 + D TP2x1
+    climb = Climb(start, key(start), ["decode", "prefill"])
+    tried = []
+    while (d := climb.step(options, capacity)) is not None:
+        tried.append(d.prefill.replicas)
+        climb.moved(d, key(d))
+    assert climb.best.prefill.replicas == 4 and climb.best.decode.replicas == 4
+    assert tried == [6, 5, 4, 3, 2, 1]  # past the dip at 6, then PATIENCE worse steps after the top
