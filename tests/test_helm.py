@@ -567,7 +567,9 @@ def test_the_rendered_pods_serve_together(tmp_path: Path):
         assert tools_worker_ready(SUITE_REDIS, prefix, tools), logs()
         gateways = [run("ampd-gateway", i)[1] for i in range(2)]
         assert all(healthy(url, "/readyz") for url in gateways), logs()
-        registered = redis.Redis.from_url(SUITE_REDIS).smembers(f"{prefix}:workers")
+        store, deadline = redis.Redis.from_url(SUITE_REDIS), time.monotonic() + 60
+        while len(registered := store.smembers(f"{prefix}:workers")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # an engine registers once it serves: moments after its /health answers
         assert len(registered) == 2, registered  # both engines, found through Redis as on a cluster
 
         script = {"rounds": [{"tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]}, {}]}
