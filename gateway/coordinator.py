@@ -1,8 +1,9 @@
 """The coordinator: one client request (an exchange) from its body to its last round.
 
 The life of an exchange: find its session (gateway.sessions) and bind it to a decode
-worker; count the prompt with the engine's ``/tokenize``; read the load signals of the
-workers it could use; plan its first round with the round core and run it
+worker; count the prompt (in the gateway with the engine's own code where it has it,
+gateway.tokens, else with the engine's ``/tokenize``); read the load signals of the
+workers it could use (one script); plan its first round with the round core and run it
 (gateway.rounds); when server-side tools are enabled, run the calls the model made on
 the tools workers and the next round after them (gateway.tool_loop); finally remember
 the conversation the client now holds, and what the engine holds when that differs.
@@ -38,6 +39,7 @@ from gateway.prefill_queue import PrefillQueues
 from gateway.rounds import Round, RoundRecorder, RoundRunner
 from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.stats import WindowedStats
+from gateway.tokens import sim_prompt_tokens
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.tracing import RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
@@ -74,7 +76,7 @@ class Gateway:
             max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=self.health,
         )  # fmt: skip
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
-        self.stats = WindowedStats(self.redis, config.key_prefix, config.stats_window_s, self.health)
+        self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
         self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
         self.elastic = None
         if policy.elastic is not None:
@@ -195,7 +197,7 @@ class Gateway:
         wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
         exchange = Exchange(
             arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,
-            server_tools, session, self.slo_for(model), wants_usage,
+            server_tools, session, self.slo_for(model), wants_usage, request_hash=hashes[-1] if hashes else "",
         )  # fmt: skip
         exchange.rebound(bound)
         return exchange, self.rounds.plan(exchange, bound, l_total, arrival, signals)
@@ -235,10 +237,15 @@ class Gateway:
         return session, await self.sessions.transcript(scope, session_id)
 
     async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        """The prompt's length in tokens, from the least loaded decode worker. One that is
+        """The prompt's length in tokens: counted here with the engine's own code where the
+        gateway has it (gateway.tokens), else by the least loaded decode worker. One that is
         lost (killed since its last scrape) is left out of the pool and the next one asked."""
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
+            if self.pool.counts_here(worker):
+                counted = sim_prompt_tokens(model, messages, tools)
+                if counted is not None:  # else the engine refuses the prompt: its error is the client's
+                    return counted
             try:
                 return await self.client.tokenize(worker.info.url, model, messages, tools)
             except UpstreamError as exc:
@@ -251,7 +258,7 @@ class Gateway:
     async def _signals(self, model: str) -> Signals:
         """Queued prefill seconds and tokens, and windowed TTFT/ITL, of every worker a round of ``model`` could use."""
         ids = sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
-        (costs, tokens), means = await asyncio.gather(self.queues.loads(ids), self.stats.means(signal_series(ids)))
+        costs, tokens, means = await self.queues.signals(ids, self.stats, signal_series(ids))
         return Signals(costs, means, tokens)
 
     # -- its rounds -------------------------------------------------------------------------
@@ -264,8 +271,11 @@ class Gateway:
         for index in range(1, limit + 2):
             engine = Reply(started=r.plan.task.created_at) if ex.server_tools else client
             view = ClientView(ex.server_tools, engine, client, index > limit)
+            r.index = index
             async for events in self.rounds.run(ex, r, engine, view if ex.server_tools else None):
                 yield events
+            if ex.server_tools:  # more rounds or events may follow: the record goes now
+                await self.rounds.recorder.flush(ex)
             for key in usage:
                 usage[key] += int((engine.usage or {}).get(key, 0))
             calls = view.server_calls() if ex.server_tools else []
@@ -320,6 +330,8 @@ class Gateway:
             asked, answered = orjson.dumps(ex.client_messages).decode(), orjson.dumps(client.message()).decode()
             content_log.info("session %s: %s -> %s", ex.session.session_id, asked, answered)
         transcript = ex.engine_messages if ex.engine_messages != conversation else None
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self.sessions.save(pipe, ex.session, conversation, transcript)
-            await self.health.execute(pipe, "session")
+        # With the round's record, where it is still staged: one round trip closes the exchange.
+        if ex.writes is None:
+            ex.writes = self.redis.pipeline(transaction=False)
+        self.sessions.save(ex.writes, ex.session, conversation, transcript)
+        await self.rounds.recorder.flush(ex, "session")

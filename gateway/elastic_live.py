@@ -125,7 +125,7 @@ class ElasticLoop:
 
     async def engines(self, workers: list[LiveWorker]) -> list[EngineState]:
         ids = [w.info.worker_id for w in workers]
-        (costs, _), means = await asyncio.gather(self.queues.loads(ids), self.stats.means([(ITL, w) for w in ids]))
+        costs, _, means = await self.queues.signals(ids, self.stats, [(ITL, w) for w in ids])
         return [
             EngineState(
                 w.assignment or initial(w.info.worker_id, "decode"),

@@ -29,6 +29,8 @@ class Exchange:
     slo: SLO
     wants_usage: bool
     rounds: list[dict[str, Any]] = field(default_factory=list)  # server tool rounds, for the client
+    request_hash: str = ""  # conversation_hashes(...)[-1] of the client's messages: names its rounds
+    writes: Any = None  # a Redis pipeline of a finished round's writes, sent with the exchange's own
 
     @property
     def streaming(self) -> bool:

@@ -9,7 +9,8 @@ reachable (``get``) for the streams it serves, but is offered for no new session
 round. A worker that vanishes from the registry while it still answers its scrapes
 stays for one heartbeat TTL: a Redis restarted empty forgets every worker until their
 next beats (gateway.outage), while a worker that leaves for good drains first and
-stops answering.
+stops answering. A worker's engine is asked once what it is (``/version``): for the
+GPU-free engine the gateway counts prompts itself (gateway.tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gateway.config import StaticWorker
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.role_store import RoleStore
 from gateway.roles import Assignment
+from gateway.tokens import SIM_ENGINE, engine_kind
 from gateway.upstream import EngineClient, UpstreamError, WorkerLoad
 from perfmodel.profile import load_profile
 from workers.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
@@ -69,6 +71,8 @@ class WorkerPool:
         self.arrivals = Arrivals()  # bound sessions' KV no scrape shows yet (gateway.binding)
         self._registered_at: dict[str, float] = {}  # when the registry last listed each worker
         self._scraped_at: dict[str, float] = {}  # when each worker last answered a scrape
+        # (worker id, url) -> the engine it runs (gateway.tokens.engine_kind), for the workers listed
+        self._engines: dict[tuple[str, str], str | None] = {}
 
     async def refresh(self) -> None:
         landed = self.arrivals.scrape_started()
@@ -88,7 +92,13 @@ class WorkerPool:
             if info.worker_id not in listed and now - self._registered_at[info.worker_id] < HEARTBEAT_TTL_S
         ]
         infos = registered + recent + await self._static()
-        loads = await asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True)
+        # A worker that left is asked again if it comes back: another engine may serve there then.
+        serving = {(i.worker_id, i.url) for i in infos}
+        self._engines = {k: kind for k, kind in self._engines.items() if k in serving}
+        new = [i for i in infos if (i.worker_id, i.url) not in self._engines]
+        loads, _ = await asyncio.gather(
+            asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True), self._identify(new)
+        )
         assigned = await self._roles([i.worker_id for i in infos if i.role == "both"])
         fresh: dict[str, LiveWorker] = {}
         for info, load in zip(infos, loads, strict=True):
@@ -103,6 +113,18 @@ class WorkerPool:
                 fresh[info.worker_id] = LiveWorker(info, known.load, assigned.get(info.worker_id))  # busy, not gone
         self.workers = fresh
         self.arrivals.scraped(landed)
+
+    async def _identify(self, infos: list[WorkerInfo]) -> None:
+        """What engine each new worker runs; one that does not answer is asked again at the
+        next refresh (meanwhile its prompts are counted by its ``/tokenize``)."""
+        versions = await asyncio.gather(*(self.client.version(i.url, 2.0) for i in infos), return_exceptions=True)
+        for info, version in zip(infos, versions, strict=True):
+            if not isinstance(version, BaseException):
+                self._engines[(info.worker_id, info.url)] = engine_kind(version)
+
+    def counts_here(self, worker: LiveWorker) -> bool:
+        """Whether the gateway counts prompts for this worker's engine itself (gateway.tokens)."""
+        return self._engines.get((worker.info.worker_id, worker.info.url)) == SIM_ENGINE
 
     async def _roles(self, worker_ids: list[str]) -> dict:
         """Roles the gateway assigned to engines that can take any (``both``); the last

@@ -29,6 +29,7 @@ from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.reordering import QueuedTask
 from gateway.replicas import RECONCILE_S, Dispatched, Replicas
 from gateway.routing import PrefillTask
+from gateway.stats import WindowedStats
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class PrefillQueues:
         self._peek = redis.register_script(scripts.PEEK)
         self._commit = redis.register_script(scripts.COMMIT)
         self._enqueue = redis.register_script(scripts.ENQUEUE)
-        self._loads = redis.register_script(scripts.LOADS)
+        self._signals = redis.register_script(scripts.SIGNALS)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self.postponements = 0  # Alg. 2 postponements decided by this replica
@@ -97,20 +98,20 @@ class PrefillQueues:
         self._workers = set(worker_ids)
 
     # -- the API the request path uses ---------------------------------------------
-    async def loads(self, worker_ids: Iterable[str]) -> tuple[dict[str, float], dict[str, int]]:
-        """Per worker: estimated seconds of prefill queued (Eq. 1-2's queue term), and the
-        prompt tokens of the prefills queued or running there."""
-        ids = list(worker_ids)
-        if not ids:
-            return {}, {}
+    async def signals(
+        self, worker_ids: Iterable[str], stats: WindowedStats, wanted: Iterable[tuple[str, str]]
+    ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
+        """What routing reads, in one round trip (every round reads it before it is routed):
+        per worker, estimated seconds of prefill queued (Eq. 1-2's queue term) and the prompt
+        tokens of the prefills queued or running there; and the windowed means ``wanted``."""
+        ids, wanted = list(worker_ids), list(wanted)
         try:
-            flat = await self._loads(args=[self.p, time.time(), *ids])
-        except REDIS_DOWN as exc:  # no queue to wait in: tasks start at once
+            flat = await self._signals(args=[self.p, time.time(), len(ids), *ids, *stats.means_args(wanted)])
+        except REDIS_DOWN as exc:  # no queue to wait in, no statistics: profile estimates (gateway.outage)
             self.health.failed("prefill queue", exc)
-            return dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0)
-        costs = {w: max(0.0, float(c)) for w, c in zip(ids, flat[0::3], strict=True)}
-        tokens = {w: int(q) + int(r) for w, q, r in zip(ids, flat[1::3], flat[2::3], strict=True)}
-        return costs, tokens
+            return dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0), {}
+        costs, tokens = _parse_loads(ids, flat[: 3 * len(ids)])
+        return costs, tokens, stats.parse_means(wanted, flat[3 * len(ids) :])
 
     async def submit(
         self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float, tokens: int = 0
@@ -299,3 +300,9 @@ class PrefillQueues:
                     self.health.failed("prefill queue", exc)
                     self.replicas.start_all_unqueued()
                     break
+
+
+def _parse_loads(ids: list[str], flat: list) -> tuple[dict[str, float], dict[str, int]]:
+    costs = {w: max(0.0, float(c)) for w, c in zip(ids, flat[0::3], strict=True)}
+    tokens = {w: int(q) + int(r) for w, q, r in zip(ids, flat[1::3], flat[2::3], strict=True)}
+    return costs, tokens

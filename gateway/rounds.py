@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -30,7 +30,7 @@ from gateway.migration import Continued, Transform, continuation_body, resumable
 from gateway.outage import RedisHealth
 from gateway.pool import LiveWorker, WorkerPool
 from gateway.prefill_queue import PrefillQueues, QueueFull
-from gateway.sessions import SessionStore
+from gateway.sessions import SessionStore, round_key, shallow
 from gateway.stats import WindowedStats
 from gateway.tool_loop import ClientView
 from gateway.tracing import RoundTimes, RoundTracer
@@ -49,6 +49,7 @@ class Round:
     arriving: int = 0  # prompt tokens expected at ``decode``, newly bound (gateway.binding.Arrivals)
     migrations: int = 0
     times: RoundTimes = field(default_factory=lambda: RoundTimes(time.time()))
+    index: int = 1  # its place in the exchange: server tool rounds follow the first
     route: Literal["local", "remote"] = field(init=False)  # as run: a remote prefill that fails runs locally
 
     def __post_init__(self) -> None:
@@ -247,7 +248,8 @@ class RoundRecorder:
 
     async def record(self, ex: Exchange, r: Round, reply: Reply) -> None:
         """What the core says the round changed: the session's state, the windowed
-        statistics, the round's record (``GET /v1/sessions/{id}``) and its spans."""
+        statistics, the round's record (``GET /v1/sessions/{id}``) and its spans. The
+        writes are staged on ``ex.writes``, for :meth:`flush` or the exchange's close."""
         session, task, times, usage = ex.session, r.plan.task, r.times, reply.usage or {}
         first = reply.first_token_at
         prefilled = times.prefilled_at if r.route == "remote" else first
@@ -265,12 +267,14 @@ class RoundRecorder:
         closed = self.core.close(session.session_id, session.state, r.plan, result, ex.slo)
         session.state = closed.state
         self._trace(ex, r, reply, closed.record)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self.stats.record(pipe, closed.observations)
-            self.sessions.record_round(pipe, session, asdict(closed.record))
-            if self.demand is not None:  # what the elastic controller forecasts from
-                self.demand.finished(pipe, closed.record.completion_tokens, time.time())
-            await self.health.execute(pipe, "round record")
+        # Staged, not sent: the exchange sends them with its own writes (gateway.coordinator),
+        # one round trip to close a round instead of two.
+        pipe = ex.writes if ex.writes is not None else self.redis.pipeline(transaction=False)
+        self.stats.record(pipe, closed.observations)
+        self.sessions.record_round(pipe, session, shallow(closed.record), round_key(ex.request_hash, r.index))
+        if self.demand is not None:  # what the elastic controller forecasts from
+            self.demand.finished(pipe, closed.record.completion_tokens, time.time())
+        ex.writes = pipe
         record = closed.record
         if record.ttft_s is not None:
             self.metrics.ttft.labels(record.kind).observe(record.ttft_s)
@@ -278,6 +282,12 @@ class RoundRecorder:
             self.metrics.itl.observe(record.mean_itl_s)
         for rule, met in record.slo_met.items():
             self.metrics.slo_rounds.labels(rule, "met" if met else "missed").inc()
+
+    async def flush(self, ex: Exchange, what: str = "round record") -> None:
+        """Send the writes staged on ``ex.writes`` (lost, not fatal, while Redis is away)."""
+        pipe, ex.writes = ex.writes, None
+        if pipe is not None:
+            await self.health.execute(pipe, what)
 
     def _trace(self, ex: Exchange, r: Round, reply: Reply, record: RoundRecord) -> None:
         """The round's spans (gateway.tracing), under the session's span."""

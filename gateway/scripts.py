@@ -9,6 +9,7 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
 * ``{p}:inflight:{w}`` - task ids holding a prefill slot, scored by lease expiry (gateway.leases)
 * ``{p}:replica:{r}`` and channel ``{p}:ready:{r}`` - a replica's liveness and its dispatch
   notices (gateway.replicas)
+* ``{p}:rounds:{scope}:{session}`` - a session's round records, JSON, oldest first (gateway.sessions)
 * ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
 * ``{p}:role:{w}`` - hash: role, since, draining of an engine; ``{p}:elastic:leader`` - the
   lease of the replica whose controller moves engines (gateway.role_store);
@@ -76,12 +77,15 @@ redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', ARGV[6] .. ARGV[4], 't
 return 1
 """
 
-# The queue signals routing reads, per worker. ARGV: key prefix, now, then worker ids.
-# Returns, per worker: seconds of prefill queued (a string: a float), prompt tokens queued,
-# and prompt tokens of the prefills holding its slots (lapsed leases not counted).
-LOADS = """
+# What a round's routing reads, in one round trip. ARGV: key prefix, now, n, the n worker
+# ids, stat key prefix, first second, window, then (series, worker) pairs. Returns, per
+# worker: seconds of prefill queued (a string: a float), prompt tokens queued, and prompt
+# tokens of the prefills holding its slots (lapsed leases not counted); then, per pair,
+# the windowed sum (a string) and count.
+SIGNALS = """
 local out = {}
-for i = 3, #ARGV do
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do
   local w = ARGV[i]
   table.insert(out, redis.call('GET', ARGV[1] .. ':pqcost:' .. w) or '0')
   table.insert(out, tonumber(redis.call('GET', ARGV[1] .. ':pqtokens:' .. w) or 0))
@@ -91,24 +95,52 @@ for i = 3, #ARGV do
   end
   table.insert(out, running)
 end
-return out
-"""
-
-# Windowed means. ARGV: key prefix, first second, window, then (series, worker) pairs;
-# returns sum, count per pair.
-MEANS = """
-local out = {}
-local first, window = tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 4, #ARGV, 2 do
+local prefix, first, window = ARGV[4 + n], tonumber(ARGV[5 + n]), tonumber(ARGV[6 + n])
+for i = 7 + n, #ARGV, 2 do
   local total, count = 0, 0
   for s = first, first + window - 1 do
-    local v = redis.call('HMGET', ARGV[1] .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
+    local v = redis.call('HMGET', prefix .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
     if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
   end
   table.insert(out, tostring(total))
   table.insert(out, count)
 end
 return out
+"""
+
+# Record a finished round once: a client that retries a request whose stream broke after
+# the round was recorded (a gateway replica killed before its last bytes, say) sends
+# the same conversation again, and its round replaces the first record instead of
+# doubling it. The key is the record's "request" field (gateway.sessions.record_round,
+# found as json.dumps writes it: a plain search, no JSON decoding per record);
+# a retry comes right after the attempt it repeats, so only the newest RECENT records are
+# looked at. KEYS: rounds. ARGV: record (JSON), its key, records kept, ttl, RECENT.
+# Returns 1 (appended) or 0 (replaced).
+RECORD_ROUND = """
+local recent = redis.call('LRANGE', KEYS[1], -tonumber(ARGV[5]), -1)
+local field = '"request": "' .. ARGV[2] .. '"'
+for i = #recent, 1, -1 do
+  if string.find(recent[i], field, 1, true) then
+    redis.call('LSET', KEYS[1], i - 1 - #recent, ARGV[1])
+    redis.call('EXPIRE', KEYS[1], ARGV[4])
+    return 0
+  end
+end
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[3]), -1)
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+
+# Add a round's observations to their one-second buckets: one command instead of three per
+# observation. ARGV: ttl, then (bucket key, total, count) triples.
+OBSERVE = """
+for i = 2, #ARGV, 3 do
+  redis.call('HINCRBYFLOAT', ARGV[i], 'sum', ARGV[i + 1])
+  redis.call('HINCRBY', ARGV[i], 'n', ARGV[i + 2])
+  redis.call('EXPIRE', ARGV[i], ARGV[1])
+end
+return 0
 """
 
 # Take or keep a lease. KEYS: lease. ARGV: holder, ttl in ms. Returns 1 if the holder has it.

@@ -24,15 +24,17 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway import scripts
 from gateway.core import SessionState
 from gateway.outage import REDIS_DOWN, RedisHealth
 
 MAX_ROUND_RECORDS = 1000
+RECENT_ROUNDS = 16  # records a retried request's round is looked for among (gateway.scripts.RECORD_ROUND)
 HELD = 10_000  # sessions a replica keeps its own copy of (with transcripts and conversation keys)
 ACTIVE_WINDOW_S = 300  # a session with an exchange this recent counts as active (agents wait on tools)
 
@@ -52,7 +54,8 @@ class Session:
 
     def fields(self) -> dict[str, str]:
         """The session as the flat Redis hash ``load`` reads back."""
-        flat = {k: v for k, v in asdict(self).items() if k != "state"} | asdict(self.state)
+        flat = shallow(self) | shallow(self.state)
+        del flat["state"]
         return {k: str(int(v) if isinstance(v, bool) else v) for k, v in flat.items()}
 
 
@@ -66,6 +69,12 @@ SESSION_HEADERS = (
     "session-id",  # Codex CLI (releases Dynamo 1.3/1.4 map)
     "conversation_id",  # Codex CLI (older releases, alongside session_id)
 )
+
+
+def shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, values as they are: ``dataclasses.asdict`` deep-copies
+    every value, which for the records and sessions written every round is wasted work."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
@@ -226,13 +235,17 @@ class SessionStore:
     def _rounds(self, scope: str, session_id: str) -> str:
         return f"{self.p}:rounds:{scope}:{session_id}"
 
-    def record_round(self, pipe: aioredis.client.Pipeline, session: Session, record: Mapping[str, Any]) -> None:
+    def record_round(
+        self, pipe: aioredis.client.Pipeline, session: Session, record: Mapping[str, Any], request: str
+    ) -> None:
         """Stage one round's record (route, queue wait, TTFT, ITL, ...) for ``GET /v1/sessions/{id}``;
-        the newest MAX_ROUND_RECORDS are kept, as long as the session."""
+        the newest MAX_ROUND_RECORDS are kept, as long as the session. ``request`` names the
+        round (:func:`round_key`): a retried request's round replaces its earlier record."""
         key = self._rounds(session.scope, session.session_id)
-        pipe.rpush(key, json.dumps(dict(record)))
-        pipe.ltrim(key, -MAX_ROUND_RECORDS, -1)
-        pipe.expire(key, self.ttl_s)
+        entry = json.dumps(dict(record, request=request))
+        # EVAL, not a registered script's EVALSHA: a pipeline holding a registered script asks
+        # Redis whether it has it (SCRIPT EXISTS) before every execute, a round trip more.
+        pipe.eval(scripts.RECORD_ROUND, 1, key, entry, request, MAX_ROUND_RECORDS, self.ttl_s, RECENT_ROUNDS)
 
     async def rounds(self, scope: str, session_id: str) -> list[dict[str, Any]]:
         return [json.loads(r) for r in await self.redis.lrange(self._rounds(scope, session_id), 0, -1)]
@@ -259,6 +272,14 @@ class SessionStore:
             found = [None] * len(keys)
         found = [sid or self._held.get(key) for sid, key in zip(found, keys, strict=True)]
         return next((sid for sid in reversed(found) if sid), None)
+
+
+def round_key(request_hash: str, index: int) -> str:
+    """A round's idempotency key: the conversation the client sent (its last
+    conversation_hashes entry, which covers every message and the API key's scope) and
+    the round's place in that exchange (server tool rounds follow the first). A client
+    retrying a request sends the same conversation, so its rounds get the same keys."""
+    return f"{request_hash}:{index}"
 
 
 def new_session(session_id: str, scope: str, state: SessionState, explicit_id: bool) -> Session:

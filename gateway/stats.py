@@ -23,7 +23,6 @@ import redis.asyncio as aioredis
 
 from gateway import scripts
 from gateway.core import Observation
-from gateway.outage import REDIS_DOWN, RedisHealth
 
 
 def bucket(now: float) -> int:
@@ -37,9 +36,11 @@ def first_bucket(now: float, window_s: int) -> int:
 
 
 class WindowedStats:
-    def __init__(self, redis: aioredis.Redis, prefix: str, window_s: int, health: RedisHealth) -> None:
-        self.redis, self.prefix, self.window_s, self.health = redis, f"{prefix}:stat:", window_s, health
-        self._means = redis.register_script(scripts.MEANS)
+    """The statistics' keys in Redis: written with a round's other writes, read with the
+    queue signals in one script (gateway.prefill_queue.PrefillQueues.signals)."""
+
+    def __init__(self, prefix: str, window_s: int) -> None:
+        self.prefix, self.window_s = f"{prefix}:stat:", window_s
 
     def record(
         self, pipe: aioredis.client.Pipeline, observations: Iterable[Observation], now: float | None = None
@@ -47,31 +48,23 @@ class WindowedStats:
         """Stage a round's observations into the current second's buckets on ``pipe`` (the
         caller executes it with its other writes)."""
         second = bucket(time.time() if now is None else now)
+        args: list[object] = []
         for o in observations:
             if o.count > 0:
-                key = f"{self.prefix}{o.series}:{o.worker_id}:{second}"
-                pipe.hincrbyfloat(key, "sum", o.total)
-                pipe.hincrby(key, "n", o.count)
-                pipe.expire(key, self.window_s + 2)
+                args += [f"{self.prefix}{o.series}:{o.worker_id}:{second}", repr(float(o.total)), o.count]
+        if args:  # EVAL, not EVALSHA: see gateway.sessions.SessionStore.record_round
+            pipe.eval(scripts.OBSERVE, 0, self.window_s + 2, *args)
 
-    async def means(self, wanted: Iterable[tuple[str, str]], now: float | None = None) -> dict[tuple[str, str], float]:
-        """Windowed mean of each (series, worker) that has samples in the window; none
-        while Redis is away (routing then goes by profile estimates: gateway.outage)."""
-        wanted = list(wanted)
-        if not wanted:
-            return {}
-        args: list[object] = [
-            self.prefix,
-            first_bucket(time.time() if now is None else now, self.window_s),
-            self.window_s,
-        ]
+    def means_args(self, wanted: list[tuple[str, str]], now: float | None = None) -> list[object]:
+        """The windowed means' part of SIGNALS's arguments (gateway.scripts)."""
+        args: list[object] = [self.prefix, first_bucket(time.time() if now is None else now, self.window_s),
+                              self.window_s]  # fmt: skip
         for series, worker_id in wanted:
             args += [series, worker_id]
-        try:
-            flat = await self._means(args=args)
-        except REDIS_DOWN as exc:
-            self.health.failed("statistics", exc)
-            return {}
+        return args
+
+    @staticmethod
+    def parse_means(wanted: list[tuple[str, str]], flat: list) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
         for item, total, count in zip(wanted, flat[0::2], flat[1::2], strict=True):
             if int(count):

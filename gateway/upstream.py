@@ -219,6 +219,9 @@ class EngineClient:
     async def load(self, url: str) -> WorkerLoad:
         return parse_load(await self._get(f"{url}/metrics", 2.0))
 
+    async def version(self, url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+        return json.loads(await self._get(f"{url}/version", timeout_s))
+
     async def model(self, url: str) -> str:
         return json.loads(await self._get(f"{url}/v1/models", 5.0))["data"][0]["id"]
 

@@ -60,7 +60,7 @@ def test_overhead_is_measured_against_direct_and_compared_with_ampd():
     router = rows[("vllm-router", 1)]
     assert router.added_p50_vs_ampd is None and router.added_p99_vs_ampd is None and router.rate_vs_ampd == 1.0
     table = markdown(levels, list(rows.values()), {"vllm-router": "pip install failed: no wheel"})
-    assert "| 64 | litellm | 22.0 / 60.0 ms | +12.0 / +40.0 ms | 45 | 3.00x, 4.00x, 0.50x |" in table
+    assert "| 64 | litellm | 22.0 / 60.0 ms | +12.0 / +40.0 ms | 45 | - | 3.00x, 4.00x, 0.50x |" in table
     assert "vllm-router could not be run: pip install failed: no wheel" in table
 
 
@@ -77,6 +77,9 @@ def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     # Every token came through the gateway as it did directly (8 tokens, plus role and usage events).
     events = {x["arm"]: x["events_per_request"] for x in data["levels"] if x["streams"] == 3}
     assert events["ampd"] == events["direct"] >= 8
+    # The gateway's CPU per request is read from /proc; the direct arm has no proxy to charge.
+    cpu = {x["arm"]: x["cpu_ms_per_request"] for x in data["levels"] if x["streams"] == 3}
+    assert cpu["direct"] is None and 0 < cpu["ampd"] < 1000
     for row in data["overheads"]:
         assert row["arm"] == "ampd" and math.isfinite(row["added_p50_ms"]) and row["request_rate"] > 0
     assert data["failures"] == {} and "| 3 | ampd |" in (tmp_path / "o.md").read_text()

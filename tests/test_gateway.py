@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from ampd.local_redis import free_port
+from gateway.tokens import sim_prompt_tokens
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
 
@@ -299,6 +300,70 @@ def test_streaming_passes_usage_only_when_asked(stack):
     assert with_usage[-2]["choices"] == [] and with_usage[-2]["usage"]["completion_tokens"] >= 1
     # The per-chunk counts the gateway asks the engine for (to time tokens) stay with it.
     assert all("usage" not in c for c in plain[:-1]) and all("usage" not in c for c in with_usage[:-2])
+
+
+def test_prompts_are_counted_in_the_gateway_as_the_engine_counts_them(stack):
+    """The gateway counts the GPU-free engine's prompts itself (gateway.tokens): the count
+    must be the engine's own ``/tokenize`` count, for every shape a chat prompt takes."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "kv  cache"}'}}
+    conversations = [
+        ([{"role": "user", "content": "hello"}], None),
+        ([{"role": "system", "content": "Be brief.\n\n  Really."}, {"role": "user", "content": "Why? " * 50}],
+         [SEARCH]),
+        ([{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "two"}]},
+          {"role": "assistant", "content": None, "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "found: 3 results\t(ok)"},
+          {"role": "assistant", "content": "Done_now <|end|> ok"}, {"role": "user", "content": "ünïcode 東京 1.5e3"}],
+         [SEARCH]),
+    ]  # fmt: skip
+    for messages, tools in conversations:
+        asked = {"model": MODEL, "messages": messages, **({"tools": tools} if tools else {})}
+        engine = httpx.post(f"{stack.decode.url}/tokenize", json=asked, timeout=30).json()["count"]
+        assert sim_prompt_tokens(MODEL, messages, tools) == engine
+        reply = httpx.post(f"{stack.url}/v1/chat/completions", json={**asked, "max_tokens": 2}, timeout=30).json()
+        assert reply["usage"]["prompt_tokens"] == engine
+    # A prompt the engine refuses is not counted here: the engine's words reach the client.
+    assert sim_prompt_tokens(MODEL, [], None) is None
+
+
+def test_a_retried_request_is_recorded_once(stack):
+    """A client whose stream broke retries the same request (ampd bench chaos: a replica
+    killed after it recorded the round). The retry's round replaces the first record."""
+    session_id = f"retry-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Session-Id": session_id}
+    url = f"{stack.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": f"Plan {uuid.uuid4().hex} " * 20}]
+    first = httpx.post(url, json={"model": MODEL, "messages": messages, "sim_script": script(2), "tools": [SEARCH]},
+                       headers=headers, timeout=30).json()  # fmt: skip
+    message = first["choices"][0]["message"]
+    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "found " * 9}]
+    body = {"model": MODEL, "messages": messages, "stream": True, "tools": [SEARCH], "sim_script": script(2)}
+
+    def recorded() -> list[dict]:
+        return httpx.get(f"{stack.url}/v1/sessions/{session_id}", timeout=30).json()["rounds"]
+
+    # The second round's stream breaks on the client's side after its last token, before [DONE] ...
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as response:
+        for line in response.iter_lines():
+            if '"finish_reason":"stop"' in line.replace(" ", ""):
+                break
+    deadline = time.monotonic() + 10
+    while len(recorded()) < 2 and time.monotonic() < deadline:  # the gateway recorded it regardless
+        time.sleep(0.05)
+    assert len(recorded()) == 2
+    # ... and the client retries it, twice, the last time reading it to the end.
+    for _ in range(2):
+        events = sse_events(httpx.post(url, json=body, headers=headers, timeout=30))
+        assert events[-1] == "[DONE]"
+    rounds = recorded()
+    assert len(rounds) == 2 and [r["kind"] for r in rounds][0] == "initial"
+    assert rounds[0]["request"] != rounds[1]["request"] and rounds[1]["request"].endswith(":1")
+    # A new request (the conversation went on) is a new round.
+    messages += [{"role": "assistant", "content": "".join(e["choices"][0]["delta"].get("content") or ""
+                                                          for e in events[:-1] if e["choices"])},
+                 {"role": "user", "content": "and then?"}]  # fmt: skip
+    httpx.post(url, json={**body, "messages": messages, "stream": False}, headers=headers, timeout=30)
+    assert len(recorded()) == 3
 
 
 def test_a_shared_system_prompt_does_not_merge_sessions(stack):

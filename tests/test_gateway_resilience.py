@@ -73,7 +73,11 @@ def test_binding_survives_a_gateway_restart_and_moves_off_a_dead_worker(tmp_path
                 break
             time.sleep(0.3)
         assert response.status_code == 200
-        moved = response.headers["x-ampd-route"].split(":", 1)[1]
+        # The worker the round ran on. The gateway counts the GPU-free engine's prompts itself
+        # (gateway.tokens), so a worker that died since the last scrape is found when the
+        # round's stream connects, and the round moves before its first token: X-AMPD-Route
+        # names the worker as decided, X-AMPD-Decode-Worker the one that answered.
+        moved = response.headers["x-ampd-decode-worker"]
         assert moved != bound
         record = store.hgetall(f"{prefix}:session:public:s1")
         assert record["decode_worker"] == moved and record["rounds"] == "3"

@@ -7,8 +7,11 @@ PyPI into its own venv under bench/venvs/ at run time (never vendored), pinned b
 At each level of concurrent streams - each stream sending streamed chat completions one
 after another - the arms run one after the other, so a level's numbers share the
 machine's state. Reported per arm: TTFT p50/p99, the latency added over the direct call
-(p50, p99), and the request rate reached (completed requests / wall seconds: the most a
-closed loop of that many streams gets through). Ratios are each peer's over ampd's.
+(p50, p99), the request rate reached (completed requests / wall seconds: the most a
+closed loop of that many streams gets through) and, for a proxy, its CPU per request
+(user + system time of its process, from /proc/<pid>/stat, over the level's run, divided
+by the requests completed: what one round costs the proxy). Ratios are each peer's over
+ampd's.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class ArmLevel:
     e2e_p50_ms: float
     request_rate: float  # completed requests per wall second
     events_per_request: float  # SSE data events: equal across arms when each proxies every token
+    cpu_ms_per_request: float | None = None  # the proxy's CPU (user + system) per completed request
 
 
 @dataclass(frozen=True)
@@ -156,28 +160,42 @@ def markdown(levels: Sequence[ArmLevel], rows: Sequence[Overhead], failures: dic
     def ratio(r: float | None) -> str:
         return "-" if r is None else f"{r:.2f}x"
 
-    lines = ["| streams | arm | TTFT p50 / p99 | added p50 / p99 | requests/s | added p50, p99, rate vs ampd |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| streams | arm | TTFT p50 / p99 | added p50 / p99 | requests/s | CPU/request "
+             "| added p50, p99, rate vs ampd |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     added = {(r.arm, r.streams): r for r in rows}
     for x in levels:
         r = added.get((x.arm, x.streams))
         extra = "-" if r is None else f"{r.added_p50_ms:+.1f} / {r.added_p99_ms:+.1f} ms"
         vs = "-" if r is None or x.arm == "ampd" else (
             f"{ratio(r.added_p50_vs_ampd)}, {ratio(r.added_p99_vs_ampd)}, {ratio(r.rate_vs_ampd)}")  # fmt: skip
+        cpu = "-" if x.cpu_ms_per_request is None else f"{x.cpu_ms_per_request:.2f} ms"
         lines.append(f"| {x.streams} | {x.arm} | {x.ttft_p50_ms:.1f} / {x.ttft_p99_ms:.1f} ms | {extra} | "
-                     f"{x.request_rate:.0f} | {vs} |")  # fmt: skip
+                     f"{x.request_rate:.0f} | {cpu} | {vs} |")  # fmt: skip
     lines += [f"\n{arm} could not be run: {why}" for arm, why in failures.items()]
     return "\n".join(lines) + "\n"
 
 
-def measure(arm: str, url: str, model: str, streams: int, requests: int, output_tokens: int) -> ArmLevel:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used, all its threads included
+    (``/proc/<pid>/stat`` fields 14 and 15, in clock ticks)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    arm: str, url: str, model: str, streams: int, requests: int, output_tokens: int, pid: int | None = None
+) -> ArmLevel:
+    """One arm at one level; ``pid``: the proxy's process, whose CPU per request is reported."""
+    cpu = cpu_seconds(pid) if pid is not None else None
     started = time.perf_counter()
     timings = asyncio.run(drive(url, model, streams, requests, output_tokens))
     wall = time.perf_counter() - started
+    used = None if pid is None or cpu is None else (cpu_seconds(pid) - cpu) * 1000 / max(1, len(timings))
     return ArmLevel(
         arm, streams, len(timings), percentile_ms([t.ttft for t in timings], 0.5),
         percentile_ms([t.ttft for t in timings], 0.99), percentile_ms([t.last_event - t.sent for t in timings], 0.5),
-        len(timings) / wall, sum(t.events for t in timings) / len(timings),
+        len(timings) / wall, sum(t.events for t in timings) / len(timings), used,
     )  # fmt: skip
 
 
@@ -219,6 +237,7 @@ def run_overhead_bench(
     worker = spawn_sim_worker("worker", worker_port, ["--role", "both", "--max-num-seqs", "1024", *registry],
                               log=state / "worker.log", cpu=0)  # fmt: skip
     children, urls, failures = [worker], {"direct": worker.url}, {}
+    pids: dict[str, int] = {}  # each proxy's process, for its CPU per request
     load = os.getloadavg()
     try:
         if wait_healthy([worker]):
@@ -229,12 +248,12 @@ def run_overhead_bench(
             children.append(gateway)
             if wait_healthy([gateway], path="/readyz"):
                 raise RuntimeError("the ampd gateway did not start")
-            urls["ampd"] = gateway.url
+            urls["ampd"], pids["ampd"] = gateway.url, gateway.process.pid
         for peer in (a for a in arms if a in ("litellm", "vllm-router")):
             with console.status(f"installing and starting {peer}"):
                 try:
                     children.append(_start_peer(peer, worker.url, model, state))
-                    urls[peer] = children[-1].url
+                    urls[peer], pids[peer] = children[-1].url, children[-1].process.pid
                 except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                     failures[peer] = str(exc)
                     console.print(f"[yellow]{peer}: {exc}[/yellow]")
@@ -247,7 +266,7 @@ def run_overhead_bench(
         for streams in levels:
             for arm in running:
                 console.print(f"{streams} streams through {arm} ...")
-                results.append(measure(arm, urls[arm], model, streams, requests, output_tokens))
+                results.append(measure(arm, urls[arm], model, streams, requests, output_tokens, pids.get(arm)))
     finally:
         for child in reversed(children):
             child.stop()
@@ -255,7 +274,8 @@ def run_overhead_bench(
         redis_handle.stop()
 
     rows = overheads(results)
-    table = Table("streams", "arm", "TTFT p50/p99", "added p50/p99", "req/s", "vs ampd: added p50, p99, rate")
+    columns = ("streams", "arm", "TTFT p50/p99", "added p50/p99", "req/s", "CPU/req", "vs ampd: added p50, p99, rate")
+    table = Table(*columns)
     for line in markdown(results, rows, {}).splitlines()[2:]:
         table.add_row(*[cell.strip() for cell in line.strip("|").split("|")])
     console.print(table)
