@@ -166,15 +166,7 @@ class Gateway:
         ``session_id``: the session the API's own state names (a Responses request's
         ``previous_response_id``), taken before any the client gave."""
         arrival = time.time()
-        try:
-            request = ChatRequest.model_validate(raw)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
-        check_tool_messages(request.messages)
-        model = self.resolve_model(request.model)
-        server_tools = self._enabled_tools(request)
-        engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        request, model, server_tools, engine_tools, messages = self._read(raw)
         hashes = conversation_hashes(scope, messages)
         explicit = session_id or explicit_session_id(headers, raw)
         # One concurrent stage: the session, the prompt's length, and the load signals of
@@ -205,14 +197,21 @@ class Gateway:
     async def count(self, raw: dict[str, Any]) -> int:
         """The prompt tokens of a chat body as its first round would count them (its
         server tools included), without running it: Anthropic's ``count_tokens``."""
+        _, model, _, tools, messages = self._read(raw)
+        return await self._count(model, messages, tools or None)
+
+    def _read(self, raw: dict[str, Any]) -> tuple[ChatRequest, str, frozenset[str], list[dict[str, Any]], list]:
+        """A chat body checked as a round reads it: the request, its model, the server tools
+        it enables, the tools the engine is offered (the client's and those) and its messages."""
         try:
             request = ChatRequest.model_validate(raw)
         except ValidationError as exc:
             raise validation_error(exc) from exc
         check_tool_messages(request.messages)
         model = self.resolve_model(request.model)
-        tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(self._enabled_tools(request))]
-        return await self._count(model, [m.model_dump(exclude_none=True) for m in request.messages], tools or None)
+        server_tools = self._enabled_tools(request)
+        engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
+        return request, model, server_tools, engine_tools, [m.model_dump(exclude_none=True) for m in request.messages]
 
     def _enabled_tools(self, request: ChatRequest) -> frozenset[str]:
         wanted = frozenset(request.server_tools or ())
