@@ -128,8 +128,8 @@ def test_a_shift_gives_one_replica_s_gpus_to_as_many_of_the_other_phase_as_fit()
 
 @pytest.mark.unit
 def test_the_climb_looks_past_a_dip_and_stops_at_the_top():
-    """Attainment along the split dips once before it rises (as simulated on DuReader):
-    the climb finds the top, and closes a way after PATIENCE worse steps."""
+    """Attainment along the split dips once before it rises (made up: the climbs measured
+    so far rose steadily): the climb finds the top, and closes a way after PATIENCE worse steps."""
     options = [PoolOption("prefill", "H20", 2, m, 1.0 / m) for m in range(1, 8)]
     options += [PoolOption("decode", "H20", 2, m, 1.0 / m) for m in range(1, 8)]
     capacity = {"H20": 16}
