@@ -56,6 +56,9 @@ def worker_sim(
     long_prefill_token_threshold: Annotated[
         int, typer.Option(help="a request prefills at most this many tokens a step (vLLM's); 0: no cap")
     ] = 0,
+    step_target_ms: Annotated[
+        float, typer.Option(help="while requests decode, prefill what keeps a step this short (DynaServe); 0: off")
+    ] = 0.0,
     enable_prefix_caching: bool = True,
     default_output_tokens: Annotated[int, typer.Option(help="reply length when no script sets one")] = 32,
     enable_prompt_tokens_details: bool = False,
@@ -88,6 +91,7 @@ def worker_sim(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            step_target_s=step_target_ms / 1000,
             enable_prefix_caching=enable_prefix_caching,
         ),
         default_output_tokens=default_output_tokens,

@@ -149,7 +149,7 @@ def simulate_command(
     prefill: Annotated[str | None, typer.Option(help="prefill pool TPxDP, e.g. 4x1; none for colocated")] = "4x1",
     decode: Annotated[str, typer.Option(help="decode pool TPxDP")] = "4x1",
     pool: Annotated[
-        str | None, typer.Option(help="an elastic policy's engines, TPxN: their roles change with the load")
+        str | None, typer.Option(help="TPxN engines of an elastic policy (roles follow the load) or dynaserve")
     ] = None,
     initial_prefill: Annotated[
         int | None, typer.Option(help="engines of --pool that start as prefill; default: the role plan's, else 0")
@@ -182,8 +182,8 @@ def simulate_command(
     if gpu not in GPUS:
         raise fail(f"unknown GPU type {gpu!r}; one of {', '.join(GPUS)}")
     elastic = POLICIES[policy].elastic is not None
-    if elastic != (pool is not None):
-        raise fail("an elastic policy runs on --pool TPxN (and only it does)")
+    if POLICIES[policy].on_pool != (pool is not None):
+        raise fail("elastic policies and dynaserve run on --pool TPxN (and only they do)")
     sessions, book = _load(trace), profile_book(model, profile)
     try:
         pools = {}

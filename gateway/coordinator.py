@@ -241,7 +241,7 @@ class Gateway:
         lost (killed since its last scrape) is left out of the pool and the next one asked."""
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
-            if self.pool.counts_here(worker):
+            if self.pool.sim_engine(worker):
                 counted = sim_prompt_tokens(model, messages, tools)
                 if counted is not None:  # else the engine refuses the prompt: its error is the client's
                     return counted

@@ -54,6 +54,7 @@ class Candidate:
     token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
     colocates: bool = False  # its sessions' rounds all prefill on it (a mixed engine: gateway.roles)
+    splits: bool = True  # it runs split requests (gateway.split_point)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Signals:
         return WorkerView(
             worker.worker_id, worker.profile, worker.speed, queue_cost=self.queue_cost(worker.worker_id),
             active_tokens=max(0, self.active_tokens.get(worker.worker_id, 0)), token_budget=worker.token_budget,
-            prefill_chunk=worker.prefill_chunk, **kw,
+            prefill_chunk=worker.prefill_chunk, splits=worker.splits, **kw,
         )  # fmt: skip
 
 
@@ -153,6 +154,7 @@ class RoundRecord:
     completion_tokens: int
     started_at: float
     migrations: int
+    split_at: int | None = None  # a split round's point: the prefill worker computed the prompt's first tokens
 
     @property
     def incremental(self) -> bool:
@@ -164,6 +166,12 @@ class Closed:
     state: SessionState
     observations: tuple[Observation, ...]
     record: RoundRecord
+
+
+def held_tokens(task: PrefillTask, route: Route) -> int:
+    """The prompt tokens a remote route's prefill worker computes (less its cache) and holds:
+    the whole prompt, or a split's first part (gateway.split_point)."""
+    return task.l_total if route.split_at is None else route.split_at
 
 
 class RoundCore:
@@ -241,8 +249,9 @@ class RoundCore:
         if chosen.kind == "local":
             return RoundPlan(task, chosen, local_compute(task, decode_view), task.l_incr)
         prefill = next(v for v in prefill_views if v.worker_id == chosen.worker_id)
-        cached = min(prefill.cached_tokens, l_total - 1)
-        return RoundPlan(task, chosen, remote_compute(task, prefill), l_total - cached)
+        end = held_tokens(task, chosen)
+        cached = min(prefill.cached_tokens, end - 1)
+        return RoundPlan(task, chosen, remote_compute(task, prefill, end), end - cached)
 
     # -- a worker's prefill queue dispatches ------------------------------------------------
     @property
@@ -265,7 +274,7 @@ class RoundCore:
             decode_worker=result.decode_worker,
             l_hist=result.prompt_tokens + result.completion_tokens,
             prefill_worker=plan.route.worker_id if remote else state.prefill_worker,
-            prefill_cached=task.l_total if remote else state.prefill_cached,
+            prefill_cached=held_tokens(task, plan.route) if remote else state.prefill_cached,
             rounds=state.rounds + 1,
         )
         ttft_at = (TTFT_REMOTE, plan.route.worker_id) if remote else (TTFT_LOCAL, result.decode_worker)
@@ -294,5 +303,6 @@ class RoundCore:
             completion_tokens=result.completion_tokens,
             started_at=task.created_at,
             migrations=result.migrations,
+            split_at=plan.route.split_at if remote else None,
         )
         return Closed(after, tuple(o for o in observations if o.count > 0), record)

@@ -15,7 +15,13 @@ Every policy is a routing rule plus a queue discipline over the same engines. Pu
   threshold (gateway.uncached_threshold);
 * ``elastic``: engines change role with the load (gateway.elastic: Arrow's SLO-driven
   moves and DOPD's forecast-driven split), rounds routed as ``ampd-tail`` within the
-  current roles; ``elastic-arrow`` and ``elastic-dopd`` keep one source of moves.
+  current roles; ``elastic-arrow`` and ``elastic-dopd`` keep one source of moves;
+* ``dynaserve``: DynaServe's micro-requests on a pool of unified engines - every engine
+  decodes its sessions and prefills others' - each prompt split between the cheapest
+  other engine and the session's (gateway.split_point), and the engines' steps sized
+  to the ITL rule (``slo_batching``); ``dynaserve-split-only`` and
+  ``dynaserve-batching-only`` keep one of the two; ``elastic-split``: the elastic roles
+  with the same split.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from gateway.conditional_disagg import ConditionalDisagg
 from gateway.elastic import ElasticConfig
 from gateway.reordering import Decision, QueuedTask, reorder
 from gateway.routing import Route, RouteContext, adaptive_route, local_only, shortest_remote, tail_aware_route
+from gateway.split_point import split_route
 from gateway.uncached_threshold import UncachedThreshold
+from perfmodel.slo import SLO, ItlRule
 
 Queueing = Literal["fifo", "reorder", "session-priority"]
 
@@ -42,6 +50,13 @@ class Policy:
     queueing: Queueing
     uses_prefill_workers: bool = True
     elastic: ElasticConfig | None = None  # engines change role with the load (gateway.elastic)
+    unified: bool = False  # on a pool, every engine both decodes and prefills others' prompts
+    slo_batching: bool = False  # engines size their steps to the ITL rule (step_target)
+
+    @property
+    def on_pool(self) -> bool:
+        """It runs on one pool of engines (``--pool TPxN``) rather than prefill and decode pools."""
+        return self.elastic is not None or self.unified
 
     def window(self, w: int) -> int:
         """How many head tasks a dispatch looks at."""
@@ -65,6 +80,10 @@ POLICIES: dict[str, Policy] = {
         Policy("elastic", tail_aware_route, "reorder", elastic=ElasticConfig()),
         Policy("elastic-arrow", tail_aware_route, "reorder", elastic=ElasticConfig(dopd=False, planned=False)),
         Policy("elastic-dopd", tail_aware_route, "reorder", elastic=ElasticConfig(arrow=False, planned=False)),
+        Policy("dynaserve", split_route, "fifo", unified=True, slo_batching=True),
+        Policy("dynaserve-split-only", split_route, "fifo", unified=True),
+        Policy("dynaserve-batching-only", local_only, "fifo", unified=True, slo_batching=True),
+        Policy("elastic-split", split_route, "reorder", elastic=ElasticConfig(), slo_batching=True),
     ]
 }
 
@@ -85,3 +104,13 @@ def pick(policy: Policy, window: Sequence[QueuedTask], now: float, w: int) -> De
         first = next((i for i, task in enumerate(window) if task.incremental), 0)
     rest = tuple(i for i in range(len(window)) if i != first)
     return Decision((first, *rest), postponed=tuple(range(first)), satisfied=0)
+
+
+def step_target(policy: Policy, slo: SLO, rule: ItlRule, beta: float) -> float:
+    """The step time an engine's batches keep to while it decodes (SchedulerConfig.step_target_s),
+    0 for none. DynaServe's local scheduler keeps every step under the TBT SLO (section 4.2);
+    that is what the tail rules judge. Under the mean rule one long step barely moves a
+    round's mean gap, so engines batch as vLLM does."""
+    if not policy.slo_batching or rule == "mean":
+        return 0.0
+    return beta * slo.itl_s

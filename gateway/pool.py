@@ -122,8 +122,9 @@ class WorkerPool:
             if not isinstance(version, BaseException):
                 self._engines[(info.worker_id, info.url)] = engine_kind(version)
 
-    def counts_here(self, worker: LiveWorker) -> bool:
-        """Whether the gateway counts prompts for this worker's engine itself (gateway.tokens)."""
+    def sim_engine(self, worker: LiveWorker) -> bool:
+        """Whether the worker runs the GPU-free engine: the gateway counts its prompts itself
+        (gateway.tokens), and it runs split requests (gateway.split_point)."""
         return self._engines.get((worker.info.worker_id, worker.info.url)) == SIM_ENGINE
 
     async def _roles(self, worker_ids: list[str]) -> dict:

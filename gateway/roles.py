@@ -9,7 +9,9 @@ Architecture", section 5.2):
 * ``decode``: sessions are bound to it; their rounds prefill locally or remotely as the
   policy routes them (AMPD's Alg. 1);
 * ``mixed``: sessions are bound to it and every round of theirs prefills on it, chunked
-  beside their decodes, as a colocated vLLM runs.
+  beside their decodes, as a colocated vLLM runs;
+* ``unified``: sessions are bound to it and other engines' sessions may prefill on it -
+  DynaServe's unified engines, which run any part of any request (gateway.split_point).
 
 An engine that changes role keeps the work it has: a running round finishes where it
 is. Until it has, the engine is *draining* the role it left - Arrow's transitional
@@ -25,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-Role = Literal["prefill", "decode", "mixed"]
+Role = Literal["prefill", "decode", "mixed", "unified"]
 ROLES: tuple[Role, ...] = get_args(Role)
 
 
@@ -44,7 +46,7 @@ class Assignment:
     @property
     def prefills_remote(self) -> bool:
         """Other engines' sessions may prefill on it."""
-        return self.role == "prefill"
+        return self.role in ("prefill", "unified")
 
     @property
     def colocates(self) -> bool:
@@ -54,7 +56,7 @@ class Assignment:
     @property
     def pool(self) -> str:
         """Arrow's pool: P, D, M (mixed), or a transition P->D / D->P while it drains."""
-        name = {"prefill": "P", "decode": "D", "mixed": "M"}
+        name = {"prefill": "P", "decode": "D", "mixed": "M", "unified": "U"}
         if self.draining is None or self.draining == self.role:
             return name[self.role]
         return f"{name[self.draining]}->{name[self.role]}"
@@ -71,9 +73,9 @@ def move(current: Assignment, role: Role, now: float, busy: bool) -> Assignment:
 
 def busy(prefilling: bool, decoding: bool) -> set[Role]:
     """The roles whose work an engine still has: other engines' prefills queued or running
-    on it (prefill), requests of its own sessions running (decode, mixed)."""
-    out: set[Role] = {"prefill"} if prefilling else set()
-    return out | {"decode", "mixed"} if decoding else out
+    on it (prefill, unified), requests of its own sessions running (decode, mixed, unified)."""
+    out: set[Role] = {"prefill", "unified"} if prefilling else set()
+    return out | {"decode", "mixed", "unified"} if decoding else out
 
 
 def settle(current: Assignment, busy_with: Iterable[Role]) -> Assignment:

@@ -112,14 +112,19 @@ class RoundRunner:
         decode = pool.get(bound.state.decode_worker)
         if decode is None:
             raise APIError(503, f"decode worker {bound.state.decode_worker} left the pool", code="no_worker")
-        prefills = [_candidate(p) for p in pool.prefillers(model, exclude=decode.info.worker_id)]
+        prefills = [self._candidate(p) for p in pool.prefillers(model, exclude=decode.info.worker_id)]
         started = time.perf_counter()
         plan = self.core.plan(
-            bound.state, uuid.uuid4().hex, l_total, created_at, _candidate(decode), prefills, signals, ex.slo
+            bound.state, uuid.uuid4().hex, l_total, created_at, self._candidate(decode), prefills, signals, ex.slo
         )
         self.metrics.decision.observe(time.perf_counter() - started)
         self.metrics.routes.labels(plan.route.kind, plan.route.reason).inc()
         return Round(plan, decode, arriving=l_total if bound.moved else 0)
+
+    def _candidate(self, worker: LiveWorker) -> Candidate:
+        info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
+        return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk,
+                         colocates=mixed, splits=self.pool.sim_engine(worker))  # fmt: skip
 
     # -- the round ----------------------------------------------------------------------
     async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
@@ -157,7 +162,7 @@ class RoundRunner:
         try:
             if prefill is None:
                 raise UpstreamError(f"prefill worker {worker_id} left the pool")
-            params = await self.client.prefill(prefill.info.url, body, request_id)
+            params = await self.client.prefill(prefill.info.url, body, request_id, r.plan.route.split_at)
         except UpstreamError as exc:
             if 400 <= exc.status < 500:
                 raise
@@ -298,8 +303,3 @@ class RoundRecorder:
             started = session.created or r.plan.task.created_at
             session.trace_id, session.span_id = self.tracer.session(session.session_id, session.scope, started, end)
         self.tracer.round((session.trace_id, session.span_id), record, r.times, first, end)
-
-
-def _candidate(worker: LiveWorker) -> Candidate:
-    info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
-    return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk, colocates=mixed)

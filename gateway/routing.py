@@ -63,6 +63,7 @@ class WorkerView:
     active_tokens: int = 0  # prompt tokens it has to compute for prefills queued or running on it
     token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
+    splits: bool = True  # it runs split requests (gateway.split_point): the GPU-free engine does, vLLM does not
 
     def t_pre(self, l_hist: int, l_incr: int) -> float:
         return self.profile.t_pre_chunked(l_hist, l_incr, self.prefill_chunk) / self.speed
@@ -101,6 +102,9 @@ class Route:
     worker_id: str
     reason: str  # why: ttft-slack, itl-slack or cost (Alg. 1), policy, or a production rule's (see its module)
     estimate_s: float | None = None  # Eq. 1 or 2, when it was computed
+    # A remote route's split point (gateway.split_point): the prefill worker computes the
+    # prompt's first ``split_at`` tokens, the decode worker the rest. None: the whole prompt.
+    split_at: int | None = None
 
 
 def local_compute(task: PrefillTask, decode: WorkerView) -> float:
@@ -108,10 +112,12 @@ def local_compute(task: PrefillTask, decode: WorkerView) -> float:
     return decode.t_pre(task.l_hist, task.l_incr)
 
 
-def remote_compute(task: PrefillTask, prefill: WorkerView) -> float:
-    """What a prefill worker computes: the prompt less what its own prefix cache holds."""
-    cached = min(prefill.cached_tokens, task.l_total - 1)
-    return prefill.t_pre(cached, task.l_total - cached)
+def remote_compute(task: PrefillTask, prefill: WorkerView, end: int | None = None) -> float:
+    """What a prefill worker computes: the prompt (its first ``end`` tokens, a split's) less
+    what its own prefix cache holds."""
+    end = task.l_total if end is None else end
+    cached = min(prefill.cached_tokens, end - 1)
+    return prefill.t_pre(cached, end - cached)
 
 
 def local_cost(task: PrefillTask, decode: WorkerView) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from workers.wire import PREFILL_PARAMS, WorkerLoad, parse_load
+from workers.wire import WorkerLoad, parse_load, prefill_params
 
 KEEPALIVE_S = 4.0  # below uvicorn's default timeout_keep_alive of 5 s
 
@@ -153,10 +153,13 @@ class EngineClient:
             body["tools"] = tools
         return int((await self._post(f"{url}/tokenize", body, attempts=2))["count"])  # idempotent: may retry
 
-    async def prefill(self, url: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
-        """Prefill on a prefill worker; returns the kv_transfer_params for the decoder."""
+    async def prefill(
+        self, url: str, body: dict[str, Any], request_id: str, split_at: int | None = None
+    ) -> dict[str, Any]:
+        """Prefill on a prefill worker - the prompt, or its first ``split_at`` tokens
+        (gateway.split_point) - and return the kv_transfer_params for the decoder."""
         prefill_body = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+        prefill_body.update(stream=False, max_tokens=1, kv_transfer_params=prefill_params(split_at))
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         params = (await self._post(f"{url}/v1/chat/completions", prefill_body, request_id)).get("kv_transfer_params")

@@ -49,9 +49,10 @@ from gateway.core import (
     RoundResult,
     SessionState,
     Signals,
+    held_tokens,
 )
 from gateway.elastic import Demand, ElasticController, EngineState, Move, RolePlan
-from gateway.policies import POLICIES
+from gateway.policies import POLICIES, step_target
 from gateway.reordering import QueuedTask
 from gateway.roles import Assignment, Role, busy, counts, settle
 from gateway.roles import move as move_to
@@ -189,6 +190,7 @@ class RolesAt(BaseModel):
     prefill: int
     decode: int
     mixed: int
+    unified: int = 0
 
 
 class LatencySummary(BaseModel):
@@ -304,6 +306,9 @@ class Simulation:
                        for i in range(config.decode.replicas)]  # fmt: skip
             for w in engines[: config.initial_prefill]:
                 w.assignment = Assignment(w.worker_id, "prefill")
+        elif policy.unified and config.prefill is None:  # one pool: every engine runs any part of any round
+            engines = [self._worker(f"engine-{i}", "unified", config.decode.profile)
+                       for i in range(config.decode.replicas)]  # fmt: skip
         else:
             engines = [self._worker(f"decode-{i}", "decode", config.decode.profile)
                        for i in range(config.decode.replicas)]  # fmt: skip
@@ -326,8 +331,10 @@ class Simulation:
         self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (gateway.binding)
 
     def _worker(self, worker_id: str, role: Role, profile: Profile) -> SimWorker:
-        chunk = self.config.decode_prefill_chunk if role == "decode" else 0
-        scheduler = Scheduler(profile, replace(self.config.scheduler, long_prefill_token_threshold=chunk))
+        c = self.config
+        chunk = c.decode_prefill_chunk if role == "decode" else 0
+        target = step_target(POLICIES[c.policy], c.slo, c.itl_rule, c.beta)
+        scheduler = Scheduler(profile, replace(c.scheduler, long_prefill_token_threshold=chunk, step_target_s=target))
         candidate = Candidate(worker_id, profile, block_size=scheduler.kv.block_size, prefill_chunk=chunk)
         return SimWorker(worker_id, Assignment(worker_id, role), profile, scheduler, candidate)
 
@@ -449,9 +456,10 @@ class Simulation:
         session, task, route = state.session, state.plan.task, state.plan.route
         prompt = session.tokens[: task.l_total]
         request_id = task.task_id
-        if route.kind == "remote":
+        if route.kind == "remote":  # the prompt, or a split's first part (gateway.split_point)
             prefill = self.workers[route.worker_id]
-            request = Request(request_id, prompt, state.output_plan[:1], 1, self.now, do_remote_decode=True)
+            alpha = prompt[: held_tokens(task, route)]
+            request = Request(request_id, alpha, state.output_plan[:1], 1, self.now, do_remote_decode=True)
             request.block_hashes = list(session.block_hashes)
             self._submit(prefill, request, state)
             return
@@ -532,8 +540,8 @@ class Simulation:
         prefill.remote_prefills -= 1
         self._release(prefill, state)
         session = state.session
-        remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held)
-        decode = Request(f"{request.request_id}-d", request.prompt_token_ids, state.output_plan,
+        remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held, request.num_prompt_tokens)
+        decode = Request(f"{request.request_id}-d", session.tokens[: state.plan.task.l_total], state.output_plan,
                          len(state.output_plan), self.now, remote_prefill=remote)  # fmt: skip
         decode.block_hashes = list(session.block_hashes)
         self._submit(self.decode_worker(session), decode, state)

@@ -90,6 +90,19 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
     return out
 
 
+def session_rounds(url: str, session_id: str, count: int, headers: dict[str, str] | None = None) -> list[dict]:
+    """A session's round records from ``GET /v1/sessions/{id}`` once ``count`` are there (a
+    deadline, not a sleep: a round is recorded as its stream ends)."""
+    deadline, rounds = time.monotonic() + 30, []
+    while time.monotonic() < deadline:
+        response = httpx.get(f"{url}/v1/sessions/{session_id}", headers=headers or {}, timeout=30)
+        rounds = response.json().get("rounds", []) if response.status_code == 200 else []
+        if len(rounds) >= count:
+            return rounds
+        time.sleep(0.05)
+    raise AssertionError(f"session {session_id} has {len(rounds)} rounds, not {count}")
+
+
 def start_gateway(tmp: Path, redis_url: str, prefix: str, *options: str, timeout_s: float = 30.0) -> Child:
     """A gateway on a free port, ready once it sees at least one decode worker."""
     port = free_port()

@@ -21,7 +21,7 @@ from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_traci
 from gateway import messages_api, responses_api
 from gateway.api import APIError
 from gateway.sessions import explicit_session_id
-from tests.engines import kill_group, start_gateway, start_sim_worker, start_tools_worker, stop
+from tests.engines import kill_group, session_rounds, start_gateway, start_sim_worker, start_tools_worker, stop
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -68,16 +68,9 @@ class Stack:
             self.redis.delete(*keys)
 
     def rounds(self, session_id: str, count: int, url: str | None = None, key: str | None = None) -> list[dict]:
-        """The session's round records once ``count`` are there (a deadline, not a sleep)."""
+        """The session's round records once ``count`` are there."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        deadline, rounds = time.monotonic() + 30, []
-        while time.monotonic() < deadline:
-            response = httpx.get(f"{url or self.url}/v1/sessions/{session_id}", headers=headers, timeout=30)
-            rounds = response.json().get("rounds", []) if response.status_code == 200 else []
-            if len(rounds) >= count:
-                return rounds
-            time.sleep(0.05)
-        raise AssertionError(f"session {session_id} has {len(rounds)} rounds, not {count}")
+        return session_rounds(url or self.url, session_id, count, headers)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ NixlConnector and its Prometheus exposition:
 * the connector every engine runs (``kv_transfer_config``): ``kv_both``, so a role is
   only the gateway's decision of what to send where;
 * the two halves of a disaggregated hand-off in ``kv_transfer_params``: what the
-  gateway sends a prefill engine (``PREFILL_PARAMS``) and what that engine answers for
+  gateway sends a prefill engine (``prefill_params``) and what that engine answers for
   the decode engine to pull (``pull_params``, ``PULL_FIELDS``);
 * the ``/metrics`` series routing, the supervisor and the profiler read, and their parsers
   (a line scan for the hot scrape, prometheus-client's parser elsewhere).
@@ -46,6 +46,20 @@ PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+# ampd's extension (the GPU-free engine only): prefill and hold only the prompt's first
+# ``split_at`` tokens - a split request's first part (gateway.split_point). The answer's
+# ``remote_num_tokens`` says how many; a decode engine pulls those and prefills the rest.
+# vLLM 0.32 could run the first half from a prompt of token ids cut at s, but its decode
+# engine's NIXL scheduler pulls KV for the whole prompt and ignores remote_num_tokens
+# (README: "Where the GPU-free engine differs from vLLM 0.32").
+SPLIT_AT = "split_at"
+
+
+def prefill_params(split_at: int | None = None) -> dict[str, Any]:
+    """What the gateway sends a prefill engine: vLLM's, plus a split point if any."""
+    return PREFILL_PARAMS if split_at is None else {**PREFILL_PARAMS, SPLIT_AT: split_at}
+
 
 # What a decode engine needs to pull a prefill's KV.
 PULL_FIELDS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id", "remote_block_ids")

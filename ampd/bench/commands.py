@@ -119,7 +119,9 @@ def bench_run(
     speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 4.0,
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
-    pool: Annotated[int, typer.Option(help="an elastic policy's engines (with 0 prefill and 0 decode replicas)")] = 0,
+    pool: Annotated[
+        int, typer.Option(help="engines of an elastic policy or dynaserve (with 0 prefill and 0 decode replicas)")
+    ] = 0,
     role_plan: Annotated[
         str | None, typer.Option(envvar="AMPD_ROLE_PLAN", help="the pool's split by load, JSON (`ampd plan`)")
     ] = None,
@@ -288,6 +290,43 @@ def bench_paper(
     title = (f"{model} on {gpu}, sessions per point: {per_point} (simulated; every policy on its best "
              f"deployment; {wall / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
     for path in write_paper(out_dir, title, points, cells, slos, chunked, setup, sensitive, wall):
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("split")
+def bench_split(
+    workloads: Annotated[str, typer.Option(help="traces, comma-separated, each at its knee")] = "toolbench,hotpotqa",
+    rules: Annotated[str, typer.Option(help="ITL rules, comma-separated: mean, p95, max")] = "mean,p95",
+    scales: Annotated[str, typer.Option(help="SLO scales, comma-separated")] = "3,5",
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    profile: ProfilesOption = None,
+    sessions: int = 300,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON and Markdown go")] = Path("bench/results/split"),
+) -> None:
+    """DynaServe's split and its SLO-aware batching apart, on every pool of two or more engines (simulated)."""
+    import time
+
+    from ampd.bench import split
+    from ampd.bench.paper import KNEES, Cell
+    from perfmodel.slo import ITL_RULES
+
+    names = [w for w in workloads.split(",") if w]
+    rule_list = [r for r in rules.split(",") if r]
+    if not names or any(w not in KNEES for w in names):
+        raise fail(f"bad --workloads {workloads!r}: one or more of {', '.join(KNEES)}")
+    if not rule_list or any(r not in ITL_RULES for r in rule_list):
+        raise fail(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
+    cells = [Cell(r, float(x)) for r in rule_list for x in scales.split(",") if x]  # type: ignore[arg-type]
+    book, started, points = profile_book(model, profile), time.perf_counter(), []
+    for w in names:
+        with console.status(f"{w} at {KNEES[w]:g} sessions/s"):
+            points += split.run_split(book, gpu, w, KNEES[w], sessions, cells, seed)
+    title = (f"{model} on {gpu}, {sessions} sessions per point at each trace's knee (simulated; "
+             f"{(time.perf_counter() - started) / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
+    console.print(split.markdown(points, title))
+    for path in split.write(out_dir, points, title):
         console.print(f"wrote {path}")
 
 

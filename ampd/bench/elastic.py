@@ -10,7 +10,10 @@ cluster:
 * ``elastic`` on each pool of one TP degree, with its role plan (planner.role_plan,
   made on another draw of the same shape), starting from the plan's split for the
   trace's first load; its ablations ``elastic-arrow`` (Arrow's SLO-driven moves alone)
-  and ``elastic-dopd`` (DOPD's forecast and Eq. 14 alone) on the same pool and start;
+  and ``elastic-dopd`` (DOPD's forecast and Eq. 14 alone) on the same pool and start,
+  and ``elastic-split`` (rounds split between engines, DynaServe's Alg. 1);
+* ``dynaserve`` (unified engines, split requests, steps sized to the ITL rule) on its
+  best pool of one TP degree, fixed for the whole trace;
 * the switching bound: for each pool, the best of its static splits for each minute's
   arriving sessions, taken separately - what moving roles could at most win on this
   trace if moves were free and instant (no run reaches it; it says how much there is
@@ -41,7 +44,7 @@ from planner.role_plan import PoolPlan, elastic_config, load_levels, opening_loa
 from planner.simulator import SimConfig, SimReport, simulate
 from planner.trace import WORKLOADS, Shape, TraceSession, generate_shaped
 
-ELASTIC = ("elastic", "elastic-arrow", "elastic-dopd")
+ELASTIC = ("elastic", "elastic-arrow", "elastic-dopd", "elastic-split")
 # Policies whose decisions read neither the SLO nor the ITL rule: simulated once, judged by each rule.
 BLIND = ("disagg", "dynamo-conditional", "uncached-threshold", *COLOCATED)
 
@@ -146,6 +149,8 @@ def run_shaped(
             runs[(policy, None)] = [submit(c) for c in fixed(policy, "mean")]
         for rule in rules:
             runs[("ampd-tail", rule)] = [submit(c) for c in fixed("ampd-tail", rule)]
+            runs[("dynaserve", rule)] = [submit(SimConfig(decode=d, prefill=None, slo=slo, policy="dynaserve",
+                                                          seed=seed, itl_rule=rule)) for d in together]  # fmt: skip
         plans: dict[ItlRule, list[PoolPlan]] = {
             rule: pools(book, planning, gpu, gpus, slo, rule, load_levels(planning), run_plans, seed + 1)
             for rule in rules
@@ -172,7 +177,7 @@ def run_shaped(
                            report.rounds)  # fmt: skip
 
         mine = [best((p, None)) for p in BLIND + ("ampd",)]
-        mine.append(best(("ampd-tail", rule)))
+        mine += [best(("ampd-tail", rule)), best(("dynaserve", rule))]
         mine += [best((p, rule)) for p in ELASTIC]
         outcomes += mine
         fixed_best = max((o for o in mine if o.policy not in ELASTIC), key=lambda o: o.slo_attainment_rounds)
@@ -209,7 +214,7 @@ def _arrival_rate(sessions: Sequence[TraceSession], window_s: float = 30.0) -> l
 
 
 # -- reports ------------------------------------------------------------------------------
-POLICY_ORDER = (*ELASTIC, *SPLIT, *COLOCATED)
+POLICY_ORDER = (*ELASTIC, "dynaserve", *SPLIT, *COLOCATED)
 
 
 def markdown(title: str, outcomes: Sequence[Outcome], verdicts: Sequence[Verdict]) -> str:

@@ -11,7 +11,9 @@ policy on its best deployment in each cell:
 
 * ``ampd``, ``ampd-tail``, ``disagg``, ``dynamo-conditional`` and ``uncached-threshold``
   over every prefill/decode split that fills the cluster (one TP degree per phase);
-* ``coloc`` and ``continuum`` over every colocated TP x DP that fills it.
+* ``coloc`` and ``continuum`` over every colocated TP x DP that fills it;
+* ``dynaserve`` (unified engines, prompts split between two of them) over the same
+  pools of TP x DP; ``elastic`` and ``elastic-split`` on each pool, from its role plan.
 
 Best = the highest SLO attainment in the cell, then the lower P95 TTFT. A policy whose
 decisions do not read the SLO (the baselines) is simulated once per point and judged in
@@ -70,8 +72,9 @@ DEFAULT_RULES: tuple[ItlRule, ...] = ("mean", "p95")
 DEFAULT_SCALES = (3.0, 5.0)
 SPLIT = ("ampd", "ampd-tail", "disagg", "dynamo-conditional", "uncached-threshold")
 COLOCATED = ("coloc", "continuum")
-POLICIES = ("elastic", *SPLIT, *COLOCATED)
-OURS = ("elastic", "ampd", "ampd-tail")
+POLICIES = ("elastic", "elastic-split", "dynaserve", *SPLIT, *COLOCATED)
+OURS = ("elastic", "ampd", "ampd-tail", "dynaserve", "elastic-split")
+PER_CELL = ("ampd-tail", "elastic", "elastic-split", "dynaserve")  # simulated in each cell: they read rule and SLO
 BASELINES = ("coloc", "disagg", "dynamo-conditional", "uncached-threshold", "continuum")
 SENSITIVITY = {"window": (2, 3, 4, 5), "alpha": (0.7, 0.8, 0.9, 1.0), "beta": (0.7, 0.8, 0.85, 0.9, 1.0)}
 
@@ -172,7 +175,7 @@ def run_trace(
     shapes = [gpus // n for n in degrees_dividing(book, gpu, gpus)]
     planning = len(cells) * len(rates) * sum(len(split_ladder(n)) for n in shapes)
     per_rate = (3 * len(splits) + len(COLOCATED) * len(together)) + len(scales) * len(splits) * (1 + len(tail_rules))
-    per_rate += len(cells) * len(shapes)
+    per_rate += len(cells) * (2 * len(shapes) + len(together))
     total = planning + len(rates) * per_rate
     task = progress.add_task(f"{workload} ({gpus} GPUs)", total=total) if progress else None
     judges = [(slos[c.scale], c.rule) for c in cells]
@@ -210,17 +213,21 @@ def run_trace(
                 for rule in tail_rules:
                     runs[("ampd-tail", scale, rule)] = [run("ampd-tail", p, d, scale, rule) for p, d in splits]
             for cell in cells:  # each pool, starting from its plan's split for the rate
-                runs[("elastic", cell.scale, cell.rule)] = [
-                    submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, load, seed=seed),
-                           trace, judged=True)
-                    for (planned, _), plan in plans.items() if planned == cell
-                ]  # fmt: skip
+                for policy in ("elastic", "elastic-split"):
+                    runs[(policy, cell.scale, cell.rule)] = [
+                        submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, load, policy, seed),
+                               trace, judged=True)
+                        for (planned, _), plan in plans.items() if planned == cell
+                    ]  # fmt: skip
+                runs[("dynaserve", cell.scale, cell.rule)] = [
+                    run("dynaserve", None, d, cell.scale, cell.rule) for d in together
+                ]
             done = {key: [f.result() for f in futures] for key, futures in runs.items()}
             for index, cell in enumerate(cells):
                 for policy in POLICIES:
                     if policy == "ampd-tail" and cell.rule == "mean":  # ampd, decision for decision
                         key = ("ampd", cell.scale, None)
-                    elif policy in ("ampd-tail", "elastic"):
+                    elif policy in PER_CELL:
                         key = (policy, cell.scale, cell.rule)
                     else:
                         key = (policy, cell.scale if policy == "ampd" else None, None)

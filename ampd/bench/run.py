@@ -31,7 +31,7 @@ from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.stack import STATE_DIR
 from gateway.elastic import RolePlan
-from gateway.policies import POLICIES
+from gateway.policies import POLICIES, step_target
 from perfmodel.profile import load_profile
 from perfmodel.slo import SLO, ItlRule, derived_slo
 from planner.plan import role_plan_json
@@ -58,15 +58,18 @@ class LiveSetup:
     role_plan: RolePlan | None = None
 
     def check(self) -> None:
-        if POLICIES[self.policy].elastic is not None:
+        policy = POLICIES[self.policy]
+        if policy.on_pool:
             if self.pool_replicas < 1 or self.prefill_replicas or self.decode_replicas:
                 raise ValueError(f"{self.policy} runs on a pool: pass --pool N with --prefill-replicas 0 "
                                  "--decode-replicas 0")  # fmt: skip
-            if self.speed != 1:  # its controller keeps the wall clock's time, the simulator the modelled one
+            if policy.elastic is not None and self.speed != 1:  # its controller keeps the wall clock's time
                 raise ValueError(f"{self.policy} compares with the simulator at --speed 1 only")
+            if policy.elastic is None and self.role_plan is not None:
+                raise ValueError("a role plan is for an elastic policy")
             return
         if self.pool_replicas or self.role_plan is not None:
-            raise ValueError("--pool and a role plan are for an elastic policy")
+            raise ValueError("--pool is for elastic policies and dynaserve, a role plan for elastic ones")
         if self.policy in COLOCATED and self.prefill_replicas:
             raise ValueError(f"{self.policy} serves on decode workers only: pass --prefill-replicas 0")
         if self.policy not in COLOCATED and not self.prefill_replicas:
@@ -105,9 +108,9 @@ def sim_summary(report: SimReport) -> dict:
 
 
 @contextlib.contextmanager
-def live_stack(setup: LiveSetup) -> Iterator[tuple[str, str]]:
-    """Redis, the workers and the gateway, registered and ready; yields the gateway's and
-    Redis's URLs."""
+def live_stack(setup: LiveSetup, step_target_s: float = 0.0) -> Iterator[tuple[str, str]]:
+    """Redis, the workers (keeping their steps to ``step_target_s`` while they decode) and
+    the gateway, registered and ready; yields the gateway's and Redis's URLs."""
     STATE_DIR.mkdir(exist_ok=True)
     redis = ensure_redis(setup.redis_url, STATE_DIR / "redis-bench-run")
     registry = ["--redis-url", redis.url, "--redis-prefix", PREFIX]
@@ -116,7 +119,17 @@ def live_stack(setup: LiveSetup) -> Iterator[tuple[str, str]]:
         spawn_sim_worker(
             f"{role}-{i}",
             setup.base_port + 1 + i,
-            ["--role", role, "--profile", setup.profile, "--speed", str(setup.speed), *registry],
+            [
+                "--role",
+                role,
+                "--profile",
+                setup.profile,
+                "--speed",
+                str(setup.speed),
+                "--step-target-ms",
+                str(step_target_s * 1000),
+                *registry,
+            ],
             log=STATE_DIR / f"bench-run-{role}-{i}.log",
         )  # fmt: skip
         for i, role in enumerate(roles)
@@ -161,7 +174,11 @@ def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with (
-            live_stack(setup) as (url, redis_url),
+            # The engines keep to the step time the simulator gives them (gateway.policies).
+            live_stack(setup, step_target(POLICIES[config.policy], slo, config.itl_rule, config.beta)) as (
+                url,
+                redis_url,
+            ),
             Progress(*columns, console=console) as progress,
             RoleWatch(url) as roles,
         ):

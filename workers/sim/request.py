@@ -35,6 +35,12 @@ class RemotePrefill:
     port: int
     request_id: str
     block_ids: tuple[int, ...]
+    num_tokens: int | None = None  # prompt tokens it holds KV for (vLLM's remote_num_tokens); None: all
+
+    def covers(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens whose KV is pulled from it; the decode engine prefills the rest
+        itself (a split request: DynaServe's beta micro-request, see gateway.split_point)."""
+        return num_prompt_tokens if self.num_tokens is None else min(self.num_tokens, num_prompt_tokens)
 
 
 @dataclass

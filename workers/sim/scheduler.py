@@ -29,7 +29,9 @@ keeps its blocks after finishing until the decoder has read them
 (:meth:`release_transfer`) or the hold expires; a request with ``remote_prefill``
 allocates blocks for the prompt tokens it has no cache hit for, waits in
 WAITING_FOR_REMOTE_KVS while the caller pulls them (:attr:`Step.kv_loads`), and
-after :meth:`finish_kv_load` recomputes only its last prompt token.
+after :meth:`finish_kv_load` recomputes only its last prompt token. A split request
+(DynaServe's micro-requests: the remote engine computed only the first s prompt
+tokens, ``RemotePrefill.num_tokens``) pulls those and prefills the rest itself.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # vLLM's: a request prefills at most this many tokens a step; 0 = no cap
+    step_target_s: float = 0.0  # while requests decode, prefill only what keeps a step this short; 0 = off
     enable_prefix_caching: bool = True
     transfer_hold_s: float = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 
@@ -62,10 +65,11 @@ class KVLoad:
     local_block_ids: list[int]
     remote_block_ids: list[int]
     first_token: int  # position in the prompt of the first token pulled
+    end_token: int  # ... and of the first one not pulled (the prompt's end, or a split's point)
 
     @property
     def num_tokens(self) -> int:
-        return self.request.num_prompt_tokens - self.first_token
+        return max(0, self.end_token - self.first_token)
 
 
 @dataclass
@@ -158,6 +162,9 @@ class Scheduler:
         step = Step()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        decoding = (
+            [r.num_computed_tokens for r in self.running if r.is_decoding] if self.config.step_target_s > 0 else []
+        )  # the contexts a step's prefills are sized around (SLO-aware batching)
 
         # 1. Prefill first: running requests mid-prefill (chunked), oldest first ...
         for request in list(self.running):
@@ -165,7 +172,10 @@ class Scheduler:
                 break
             if request.is_decoding or request.status != RequestStatus.RUNNING:
                 continue  # decodes come last; victims of an earlier preemption are out
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                            step, request.num_computed_tokens, decoding)  # fmt: skip
+            if n == 0:
+                continue
             if self._reserve(request, n, step, scheduled):
                 step.prefills.append((request, n))
                 scheduled.add(request.request_id)
@@ -178,7 +188,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(self.waiting.popleft())
                 continue
-            n = self._admit(request, budget, step)
+            n = self._admit(request, budget, step, decoding)
             if n is None:
                 break
             self.waiting.popleft()
@@ -295,8 +305,11 @@ class Scheduler:
             return
         request.status = RequestStatus.WAITING
         if ok:
-            # All prompt KV is here; the last prompt token is recomputed to sample from.
-            request.num_computed_tokens = request.num_prompt_tokens - 1
+            # The pulled KV is here. A whole prompt's last token is recomputed to sample from;
+            # a split request prefills the rest of its prompt here, as any admitted request.
+            assert request.remote_prefill is not None
+            pulled = min(request.remote_prefill.covers(request.num_prompt_tokens), request.num_prompt_tokens - 1)
+            request.num_computed_tokens = max(request.num_computed_tokens, pulled)
             self._cache_computed_blocks(request)
         # On failure the blocks stay allocated and the missing tokens are prefilled
         # locally (vLLM's "recompute" load-failure policy).
@@ -325,16 +338,44 @@ class Scheduler:
         return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
 
     # -- internals ---------------------------------------------------------------
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """A prefill's tokens this step: what is left, within the budget and vLLM's per-request cap."""
+    def _chunk(self, remaining: int, budget: int, step: Step, context: int, decoding: list[int]) -> int:
+        """A prefill's tokens this step: what is left, within the budget, vLLM's per-request
+        cap and, while requests decode, the step-time target (:meth:`_within_target`)."""
         cap = self.config.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        n = min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        return self._within_target(step, context, n, decoding) if decoding else n
 
-    def _admit(self, request: Request, budget: int, step: Step) -> int | None:
+    def _within_target(self, step: Step, context: int, n: int, decoding: list[int]) -> int:
+        """At most ``n`` prefill tokens at ``context`` that keep the step - the prefills chosen
+        so far and every decoding request - within ``step_target_s``.
+
+        DynaServe's local scheduler ("DynaServe: Unified and Elastic Execution for Dynamic
+        Disaggregated LLM Serving", section 4.2, Alg. 2: MaxPrefillAllowed): the prefill
+        budget of a batch is what its decodes leave under the TBT SLO. The step time is the
+        profile's, so the largest fitting chunk is found by bisection. A step with no other
+        prefill still takes one block of it: prefills must progress when the decodes alone
+        fill the target.
+        """
+        target, chosen = self.config.step_target_s, [(r.num_computed_tokens, k) for r, k in step.prefills]
+
+        def fits(k: int) -> bool:
+            return self.profile.step_time([*chosen, (context, k)], decoding) <= target
+
+        if fits(n):
+            return n
+        floor = 0 if step.prefills else min(n, self.config.block_size)
+        lo, hi = floor, n  # fits(hi) is false; lo is the answer unless a larger one fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    def _admit(self, request: Request, budget: int, step: Step, decoding: list[int]) -> int | None:
         """Take cache hits and blocks for a waiting request.
 
         Returns the tokens to prefill this step, 0 if it now waits for remote KV, or
-        None if the cache cannot take it yet (admission never preempts).
+        None if the cache cannot take it yet (admission never preempts) or the step has
+        no room left for it under its time target.
         """
         first_admission = request.num_computed_tokens == 0 and not request.block_ids
         if first_admission:
@@ -345,7 +386,8 @@ class Scheduler:
         hit_tokens = len(hits) * self.kv.block_size
 
         if request.remote_prefill is not None and first_admission:
-            needed = self.kv.blocks_for(request.num_prompt_tokens) - len(hits)
+            end = request.remote_prefill.covers(request.num_prompt_tokens)
+            needed = max(0, self.kv.blocks_for(end) - len(hits))
             if not self.kv.can_allocate(needed, hits):
                 return None
             self._take(request, hits)
@@ -353,12 +395,15 @@ class Scheduler:
             request.block_ids += new_blocks
             request.num_computed_tokens = hit_tokens
             remote = list(request.remote_prefill.block_ids)
-            step.kv_loads.append(KVLoad(request, new_blocks, remote[len(remote) - needed :], first_token=hit_tokens))
+            step.kv_loads.append(KVLoad(request, new_blocks, remote[len(remote) - needed :], hit_tokens, end))
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             return 0
 
-        n = self._chunk(request.num_tokens - hit_tokens - request.num_computed_tokens, budget)
-        total = request.num_computed_tokens + hit_tokens + n
+        context = request.num_computed_tokens + hit_tokens
+        n = self._chunk(request.num_tokens - context, budget, step, context, decoding)
+        if n == 0:
+            return None
+        total = context + n
         needed = max(0, self.kv.blocks_for(total) - len(request.block_ids) - len(hits))
         if not self.kv.can_allocate(needed, hits):
             return None

@@ -34,7 +34,7 @@ from workers.sim.request import Request as EngineRequest
 from workers.sim.responder import Length, Reply, Responder, ScriptError
 from workers.sim.scheduler import Scheduler, SchedulerConfig
 from workers.sim.tokenizer import BOS, Tokenizer, render_chat
-from workers.wire import PULL_FIELDS, pull_params
+from workers.wire import PULL_FIELDS, SPLIT_AT, pull_params
 
 # vLLM bounds characters per token by its vocabulary's longest token; the sim's pieces
 # are words of any length, so it takes a bound real text stays far below.
@@ -161,13 +161,28 @@ class SimWorker:
             if len(block_ids) != 1:
                 raise p.EngineError(400, "only one KV-cache group is supported", param="kv_transfer_params")
             block_ids = block_ids[0]
+        num_tokens = params.get("remote_num_tokens")
         return False, RemotePrefill(
             engine_id=str(params["remote_engine_id"]),
             host=str(params["remote_host"]),
             port=int(params["remote_port"]),
             request_id=str(params["remote_request_id"]),
             block_ids=tuple(int(b) for b in block_ids),
+            num_tokens=None if num_tokens is None else int(num_tokens),
         )
+
+    def split_prompt(self, params: dict[str, Any] | None, prompt_ids: list[int]) -> list[int]:
+        """The prompt a prefill-only request computes: the whole, or its first ``split_at``
+        tokens (workers.wire.SPLIT_AT) - whole blocks, as the decode engine pulls them."""
+        if not params or not params.get("do_remote_decode") or params.get(SPLIT_AT) is None:
+            return prompt_ids
+        split_at, block = params[SPLIT_AT], self.config.scheduler.block_size
+        if not isinstance(split_at, int) or isinstance(split_at, bool) or split_at < 1 or split_at % block:
+            raise p.EngineError(
+                400, f"{SPLIT_AT} must be a positive multiple of the KV block size ({block}), got {split_at!r}",
+                param="kv_transfer_params",
+            )  # fmt: skip
+        return prompt_ids[:split_at]
 
     def kv_params_out(self, request: EngineRequest, held: tuple[int, ...]) -> dict[str, Any] | None:
         if not held:
@@ -411,7 +426,7 @@ def _submit(
     prefill_only, remote = w.transfer_role(body.kv_transfer_params)
     request = EngineRequest(
         request_id=f"{ids.id}-{secrets.token_hex(4)}",
-        prompt_token_ids=prompt_ids,
+        prompt_token_ids=w.split_prompt(body.kv_transfer_params, prompt_ids),
         output_plan=reply.token_ids,
         max_tokens=length.max_tokens,
         arrival_time=asyncio.get_running_loop().time(),
