@@ -132,6 +132,7 @@ def report_table(reports) -> Table:
         ),
         ("SLO attainment, sessions", lambda r: f"{r.slo_attainment_sessions:.1%}"),
         ("incremental prefills local", lambda r: f"{r.local_share_incremental:.1%}"),
+        ("rounds split between two engines", lambda r: f"{r.split_share:.1%}"),
         ("utilisation", lambda r: ", ".join(f"{w.worker_id} {w.utilisation:.0%}" for w in r.workers)),
         ("role moves; prefill engines over time", lambda r: f"{r.moves}; " + _roles(r) if r.roles else "-"),
         ("sessions / rounds", lambda r: f"{r.sessions:,} / {r.rounds:,}"),

@@ -229,6 +229,7 @@ class SimReport(BaseModel):
     slo_attainment_sessions: float  # sessions all of whose rounds did (by the ITL rule)
     local_share_incremental: float  # incremental prefills run on the decode worker
     local_share: float
+    split_share: float = 0.0  # rounds whose prompt was split between two engines (gateway.split_point)
     makespan_s: float
     workers: list[WorkerUsage]
     wall_s: float = 0.0
@@ -675,6 +676,7 @@ class Simulation:
                 sum(r.route == "local" for r in incremental) / len(incremental) if incremental else 0.0
             ),
             local_share=sum(r.route == "local" for r in records) / len(records) if records else 0.0,
+            split_share=sum(r.split_at is not None for r in records) / len(records) if records else 0.0,
             makespan_s=makespan,
             workers=[
                 WorkerUsage(

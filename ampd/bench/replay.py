@@ -172,11 +172,11 @@ async def replay(
 Tails = dict[tuple[str, int], tuple[float | None, float | None]]  # (session, round) -> (P95 gap, longest gap)
 
 
-async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, int, Tails]:
-    """(rounds lost, rounds duplicated, each recorded round's P95 and longest gap): every
-    session's rounds as the gateway recorded them (``GET /v1/sessions/{id}``) against the
-    trace's."""
-    lost = duplicated = 0
+async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, int, int, Tails]:
+    """(rounds lost, rounds duplicated, rounds split between two engines, each recorded
+    round's P95 and longest gap): every session's rounds as the gateway recorded them
+    (``GET /v1/sessions/{id}``) against the trace's."""
+    lost = duplicated = split = 0
     tails: Tails = {}
     async with agent_client(16) as client:
         for session in sessions:
@@ -184,8 +184,9 @@ async def read_back(url: str, sessions: Sequence[TraceSession]) -> tuple[int, in
                 records = (await response.json())["rounds"] if response.status == 200 else []
             lost += max(0, len(session.rounds) - len(records))
             duplicated += max(0, len(records) - len(session.rounds))
+            split += sum(r["split_at"] is not None for r in records)
             tails |= {(session.session_id, k): (r["p95_itl_s"], r["max_itl_s"]) for k, r in enumerate(records)}
-    return lost, duplicated, tails
+    return lost, duplicated, split, tails
 
 
 def with_gateway_tails(rounds: Sequence[LiveRound], tails: Tails) -> list[LiveRound]:

@@ -104,6 +104,7 @@ def sim_summary(report: SimReport) -> dict:
         "ttft_mean_s": report.ttft.mean_s,
         "itl_p95_s": report.itl.p95_s,
         "local_share_incremental": report.local_share_incremental,
+        "split_share": report.split_share,
     }
 
 
@@ -188,7 +189,7 @@ def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup
             started = time.perf_counter()
             rounds = asyncio.run(replay(url, trace, setup.speed, on_round=lambda _: progress.advance(task)))
             wall = time.perf_counter() - started
-            lost, duplicated, tails = asyncio.run(read_back(url, trace))
+            lost, duplicated, split, tails = asyncio.run(read_back(url, trace))
             rounds = with_gateway_tails(rounds, tails)
     except (NoRedis, RuntimeError) as exc:
         console.print(f"[red]{exc}[/red]")
@@ -210,14 +211,14 @@ def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup
         "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s, "itl_rule": setup.itl_rule},
         "live": live, "simulated": sim,
         "attainment_points": points, "p95_ttft_rel": rel, "live_wall_s": wall, "within_bar": agrees,
-        "rounds_lost": lost, "rounds_duplicated": duplicated,
+        "rounds_lost": lost, "rounds_duplicated": duplicated, "rounds_split": split,
     }  # fmt: skip
     if setup.pool_replicas:
         result |= {"pool_replicas": setup.pool_replicas, "live_roles": roles.timeline, "live_moves": roles.moves,
                    "simulated_roles": [(r.at, r.prefill) for r in simulated.roles],
                    "simulated_moves": simulated.moves}  # fmt: skip
         console.print(f"roles: {roles.moves} moves live, {simulated.moves} simulated")
-    console.print(f"sessions read back: {lost} rounds lost, {duplicated} duplicated")
+    console.print(f"sessions read back: {lost} rounds lost, {duplicated} duplicated, {split} split between engines")
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
         console.print(f"wrote {out}")

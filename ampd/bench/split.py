@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ampd.bench.paper import PAPER_GPUS, Cell, colocated_candidates, trace_slo
 from planner.plan import ProfileBook
-from planner.simulator import Pool, SimConfig, Simulation
+from planner.simulator import Pool, SimConfig, simulate
 from planner.trace import WORKLOADS, TraceSession, generate
 
 ARMS = ("dynaserve", "dynaserve-split-only", "dynaserve-batching-only", "coloc")
@@ -42,11 +42,8 @@ class SplitPoint:
 
 def _run(config: SimConfig, trace: Sequence[TraceSession]) -> tuple[float, float, float | None]:
     """Attainment, the share of split rounds and P95 TTFT of one simulation (in a worker process)."""
-    sim = Simulation(config, trace)
-    sim.run()
-    report = sim.report()
-    split = sum(r.split_at is not None for r in sim.records) / max(1, len(sim.records))
-    return report.slo_attainment_rounds, split, report.ttft.p95_s
+    report = simulate(config, trace)
+    return report.slo_attainment_rounds, report.split_share, report.ttft.p95_s
 
 
 def run_split(

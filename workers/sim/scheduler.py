@@ -172,10 +172,11 @@ class Scheduler:
                 break
             if request.is_decoding or request.status != RequestStatus.RUNNING:
                 continue  # decodes come last; victims of an earlier preemption are out
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
-                            step, request.num_computed_tokens, decoding)  # fmt: skip
-            if n == 0:
-                continue
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if decoding:
+                n = self._within_target(step, request.num_computed_tokens, n, decoding)
+                if n == 0:
+                    continue
             if self._reserve(request, n, step, scheduled):
                 step.prefills.append((request, n))
                 scheduled.add(request.request_id)
@@ -338,12 +339,11 @@ class Scheduler:
         return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
 
     # -- internals ---------------------------------------------------------------
-    def _chunk(self, remaining: int, budget: int, step: Step, context: int, decoding: list[int]) -> int:
-        """A prefill's tokens this step: what is left, within the budget, vLLM's per-request
-        cap and, while requests decode, the step-time target (:meth:`_within_target`)."""
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """A prefill's tokens this step: what is left, within the budget and vLLM's per-request cap
+        (and, while requests decode under a step-time target, :meth:`_within_target`'s)."""
         cap = self.config.long_prefill_token_threshold
-        n = min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
-        return self._within_target(step, context, n, decoding) if decoding else n
+        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
 
     def _within_target(self, step: Step, context: int, n: int, decoding: list[int]) -> int:
         """At most ``n`` prefill tokens at ``context`` that keep the step - the prefills chosen
@@ -400,9 +400,11 @@ class Scheduler:
             return 0
 
         context = request.num_computed_tokens + hit_tokens
-        n = self._chunk(request.num_tokens - context, budget, step, context, decoding)
-        if n == 0:
-            return None
+        n = self._chunk(request.num_tokens - context, budget)
+        if decoding:
+            n = self._within_target(step, context, n, decoding)
+            if n == 0:
+                return None
         total = context + n
         needed = max(0, self.kv.blocks_for(total) - len(request.block_ids) - len(hits))
         if not self.kv.can_allocate(needed, hits):
