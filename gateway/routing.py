@@ -125,10 +125,12 @@ def local_cost(task: PrefillTask, decode: WorkerView) -> float:
     return local_compute(task, decode) + decode.queue_cost
 
 
-def remote_work(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:
-    """Eq. 2 without the queue: compute what i lacks, and d pulls what it lacks (vLLM's protocol)."""
-    transfer = t_kv(task.l_total - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
-    return remote_compute(task, prefill) + transfer
+def remote_work(task: PrefillTask, prefill: WorkerView, decode: WorkerView, end: int | None = None) -> float:
+    """Eq. 2 without the queue: compute what i lacks, and d pulls what it lacks (vLLM's protocol)
+    - of the prompt, or of its first ``end`` tokens (a split's first part)."""
+    end = task.l_total if end is None else end
+    transfer = t_kv(end - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
+    return remote_compute(task, prefill, end) + transfer
 
 
 def remote_cost(task: PrefillTask, prefill: WorkerView, decode: WorkerView) -> float:

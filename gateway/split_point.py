@@ -28,8 +28,7 @@ a session's decode stays on the engine it is bound to.
 
 from __future__ import annotations
 
-from gateway.routing import Route, RouteContext, WorkerView, local_cost, remote_compute, remote_costs
-from perfmodel.profile import t_kv
+from gateway.routing import Route, RouteContext, WorkerView, local_cost, remote_costs, remote_work
 
 SEARCH_STEPS = 6  # Alg. 1's K ("typically set to 6")
 BALANCED_S = 1e-3  # Alg. 1's epsilon: predicted times this close are balanced
@@ -40,9 +39,7 @@ def alpha_time(ctx: RouteContext, prefill: WorkerView, s: int) -> float:
     of [l_hist, s) to the decode engine; only the queue when s leaves it nothing new."""
     if s <= ctx.task.l_hist:
         return prefill.queue_cost
-    pulled = s - ctx.task.l_hist
-    transfer = t_kv(pulled, prefill.profile, ctx.decode.profile) / min(prefill.speed, ctx.decode.speed)
-    return prefill.queue_cost + remote_compute(ctx.task, prefill, s) + transfer
+    return prefill.queue_cost + remote_work(ctx.task, prefill, ctx.decode, s)
 
 
 def beta_time(ctx: RouteContext, s: int) -> float:
