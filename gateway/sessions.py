@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from gateway import scripts
 from gateway.core import SessionState
 from gateway.outage import REDIS_DOWN, RedisHealth
+from workers.sim.tokenizer import message_text
 
 MAX_ROUND_RECORDS = 1000
 RECENT_ROUNDS = 16  # records a retried request's round is looked for among (gateway.scripts.RECORD_ROUND)
@@ -105,12 +106,6 @@ def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> 
     return next((str(c) for c in candidates if c), None)
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
-
-
 def _arguments(raw: Any) -> Any:
     try:
         return json.loads(raw) if isinstance(raw, str) else raw
@@ -129,7 +124,12 @@ def canonical_message(message: Mapping[str, Any]) -> str:
         ]
         for c in message.get("tool_calls") or []
     ]
-    parts = [message.get("role", ""), _text(message.get("content")).strip(), calls, message.get("tool_call_id") or ""]
+    parts = [
+        message.get("role", ""),
+        message_text(message.get("content")).strip(),
+        calls,
+        message.get("tool_call_id") or "",
+    ]
     return json.dumps(parts, sort_keys=True, separators=(",", ":"))
 
 

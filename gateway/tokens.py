@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, TokenizeChatRequest
+from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, EngineError, TokenizeChatRequest, message_dicts
 from workers.sim.tokenizer import Tokenizer, render_chat
 
 SIM_ENGINE = "ampd-sim"  # what the pool calls an engine whose count the gateway can make itself
@@ -43,14 +43,12 @@ def sim_prompt_tokens(model: str, messages: list[dict[str, Any]], tools: list[di
         body["tools"] = tools
     try:
         chat = TokenizeChatRequest.model_validate(body)
-        if not chat.messages:
-            return None
         text = render_chat(
-            [m.model_dump(exclude_none=True) for m in chat.messages],
+            message_dicts(chat.messages),
             [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None,
             chat.add_generation_prompt,
             chat.continue_final_message,
         )
-    except (ValidationError, ValueError):
+    except (ValidationError, ValueError, EngineError):
         return None
     return len(_TOKENIZER.pieces(text))

@@ -258,6 +258,22 @@ def test_a_final_assistant_message_is_continued(engine: Engine):
     assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in both.json()["error"]["message"]
 
 
+def test_content_parts_are_read_as_vllm_reads_them(engine: Engine):
+    """vLLM 0.32 skips a typed part it cannot read (a null text, with a warning), answering
+    from the rest, and refuses a part without its type."""
+    first = {"type": "text", "text": "Paris? "}
+    counts = []
+    for parts in ([first], [first, {"type": "text", "text": None}]):
+        response = chat(engine, messages=[{"role": "user", "content": parts}], max_tokens=4)
+        assert response.status_code == 200, response.text
+        counts.append(response.json()["usage"]["prompt_tokens"])
+    assert counts[0] == counts[1]
+    untyped = chat(engine, messages=[{"role": "user", "content": [first, {"text": None}]}], max_tokens=4)
+    assert untyped.status_code == 400, untyped.text
+    error = untyped.json()["error"]
+    assert error["param"] == "type" and error["message"].startswith("Missing 'type' field in multimodal part.")
+
+
 def test_malformed_json_is_a_400(engine: Engine):
     response = httpx.post(
         f"{engine.url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}

@@ -310,7 +310,8 @@ def test_prompts_are_counted_in_the_gateway_as_the_engine_counts_them(stack):
         ([{"role": "user", "content": "hello"}], None),
         ([{"role": "system", "content": "Be brief.\n\n  Really."}, {"role": "user", "content": "Why? " * 50}],
          [SEARCH]),
-        ([{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "two"}]},
+        ([{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": None},
+                                       {"type": "text", "text": "two"}]},  # a null text skipped, as vLLM does
           {"role": "assistant", "content": None, "tool_calls": [call]},
           {"role": "tool", "tool_call_id": "call_1", "content": "found: 3 results\t(ok)"},
           {"role": "assistant", "content": "Done_now <|end|> ok"}, {"role": "user", "content": "ünïcode 東京 1.5e3"}],
@@ -388,6 +389,8 @@ def test_a_shared_system_prompt_does_not_merge_sessions(stack):
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
         ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": None},  # found by the fuzz test: was a 500
+                                       {"role": "user", "content": [{"text": None}]}]}, 400, "type"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**8}, 400, "max_tokens"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],

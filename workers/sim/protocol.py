@@ -52,6 +52,18 @@ class Message(_Request):
     name: str | None = None
 
 
+def message_dicts(messages: list[Message]) -> list[dict[str, Any]]:
+    """A conversation as the chat template takes it, refused where vLLM 0.32 refuses it: no
+    message at all, or a content part without its ``type`` (a typed part it cannot read,
+    such as a null text, it skips: ``tokenizer.message_text``)."""
+    if not messages:  # vLLM's words, and no param
+        raise EngineError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
+    for message in messages:
+        if isinstance(message.content, list) and any("type" not in part for part in message.content):
+            raise EngineError(400, "Missing 'type' field in multimodal part. (parameter=type)", param="type")
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 class FunctionDef(_Request):
     name: str = Field(min_length=1)
     description: str | None = None

@@ -282,7 +282,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
         if "messages" in body:
             chat = _parse(p.TokenizeChatRequest, body)
             w.check_model(chat.model)
-            text = _render(_messages(chat.messages), _tools(chat.tools), chat)
+            text = _render(p.message_dicts(chat.messages), _tools(chat.tools), chat)
         else:
             plain = _parse(p.TokenizeCompletionRequest, body)
             w.check_model(plain.model)
@@ -300,7 +300,7 @@ def create_app(config: WorkerConfig) -> FastAPI:
     async def chat_completions(body: p.ChatCompletionRequest, request: Request, w: WorkerDep):
         w.check_model(body.model)
         _reject_unsupported(body.n, body.logprobs)
-        messages, tools = _messages(body.messages), _tools(body.tools)
+        messages, tools = p.message_dicts(body.messages), _tools(body.tools)
         prompt_ids = w.encode_prompt(_render(messages, tools, body))
         requested, param = body.requested_max_tokens
         length = _length(body, w.max_tokens_for(len(prompt_ids), requested, param))
@@ -446,12 +446,6 @@ def _reject_unsupported(n: int, logprobs: bool) -> None:
         raise p.EngineError(400, "the GPU-free engine generates one choice per request (n=1)", param="n")
     if logprobs:
         raise p.EngineError(400, "the GPU-free engine has no token probabilities to report", param="logprobs")
-
-
-def _messages(messages: list[p.Message]) -> list[dict[str, Any]]:
-    if not messages:  # vLLM's words, and no param
-        raise p.EngineError(400, "Cannot apply chat template to an empty conversation. Provide at least one message.")
-    return [m.model_dump(exclude_none=True) for m in messages]
 
 
 def _render(

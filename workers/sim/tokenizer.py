@@ -77,12 +77,13 @@ def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 def message_text(content: Any) -> str:
-    """The text of an OpenAI message ``content``: a string, None, or a list of parts."""
+    """The text of an OpenAI message ``content``: a string, None, or a list of parts. A part
+    without a text string (an image, a null text) adds nothing: vLLM skips such parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return "".join(t for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
 
 
 def render_chat(
