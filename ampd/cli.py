@@ -15,6 +15,7 @@ from ampd.bench.commands import bench_app
 from ampd.planning import ItlRuleOption, PolicyOption, plan_command, simulate_command, trace_app
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
+from perfmodel.slo import ItlRule
 from workers.registry import reachable_host
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
@@ -275,6 +276,10 @@ def up(
         int, typer.Option(help="instead of a prefill and a decode worker: this many whose roles the gateway assigns")
     ] = 0,
     deployment: Annotated[Path | None, typer.Option(help="worker pools from `ampd plan` (deployment.json)")] = None,
+    itl_slo_metric: Annotated[
+        ItlRule | None,
+        typer.Option(help="a round's ITL is judged by its mean, p95 or max gap (default: the deployment's, else mean)"),
+    ] = None,
 ) -> None:
     """Start the local stack: Redis, GPU-free prefill and decode workers, a tools worker, the gateway."""
     from pydantic import ValidationError
@@ -299,9 +304,19 @@ def up(
         if plan.role_plan is not None:
             gateway_args = ["--role-plan", role_plan_json(plan.role_plan)]
         policy = policy or plan.policy
+        itl_slo_metric = itl_slo_metric or plan.itl_rule
     raise typer.Exit(
         run_stack(
-            console, redis_url, gateway_port, prefill_port, decode_port, workers, speed, policy or "ampd", gateway_args
+            console,
+            redis_url,
+            gateway_port,
+            prefill_port,
+            decode_port,
+            workers,
+            speed,
+            policy or "ampd",
+            itl_slo_metric or "mean",
+            gateway_args,
         )  # fmt: skip
     )
 

@@ -217,7 +217,8 @@ def simulate_command(
         console.print(f"wrote {out}")
 
 
-def _config(d) -> str:
+def deployment_label(d) -> str:
+    """A split deployment in one line, as the planner's tables show it."""
     return f"P <TP={d.prefill.tp}, DP={d.prefill.replicas}> {d.prefill.gpu}, D <TP={d.decode.tp}, DP={d.decode.replicas}> {d.decode.gpu}"  # noqa: E501
 
 
@@ -283,7 +284,7 @@ def plan_command(
     for i, r in enumerate(result.ranked, 1):
         d, eq5 = r.deployment, f"#{r.eq5_rank}" if r.eq5_rank else "split search"
         table.add_row(
-            f"#{i}", _config(d), eq5, f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
+            f"#{i}", deployment_label(d), eq5, f"{d.z:.2f}", f"{d.prefill.tau:.2f}", f"{d.decode.tau:.2f}",
             ms(r.predicted.ttft.p95_s), f"{r.predicted.slo_attainment_rounds:.1%}",
         )  # fmt: skip
     console.print(table)
@@ -294,16 +295,16 @@ def plan_command(
     if checked:
         side = Table("rank", "planner (Eq. 5)", "simulated whole (by SLO attainment)", "attainment")
         for i in range(max(len(result.ranked), 3)):
-            mine = _config(result.ranked[i].deployment) if i < len(result.ranked) else "-"
+            mine = deployment_label(result.ranked[i].deployment) if i < len(result.ranked) else "-"
             theirs = checked[i] if i < len(checked) else None
-            side.add_row(f"#{i + 1}", mine, _config(theirs.deployment) if theirs else "-",
+            side.add_row(f"#{i + 1}", mine, deployment_label(theirs.deployment) if theirs else "-",
                          f"{theirs.predicted.slo_attainment_rounds:.1%}" if theirs else "-")  # fmt: skip
         console.print(side)
         same = result.ranked[0].deployment == checked[0].deployment
         console.print(("[green]" if same else "[yellow]") + f"planner's #1 {'equals' if same else 'differs from'} "
                       f"the best of {len(checked)} simulated configurations")  # fmt: skip
     best = result.ranked[0]
-    deployment = planning.deployment_file(book, best, policy, slo)
+    deployment = planning.deployment_file(book, best, policy, slo, itl_slo_metric)
     out.parent.mkdir(parents=True, exist_ok=True)
     for phase in ("prefill", "decode"):  # profiles derived on the fly go beside the deployment
         chosen = getattr(deployment, phase)
@@ -352,7 +353,7 @@ def _plan_pool(
         profile.dump(Path(name))
     deployment = DeploymentFile(
         model=book.model.name, policy=policy, pool=PhaseDeployment(gpu=gpu, tp=best.tp, replicas=best.engines,
-        profile=name), role_plan=best.plan, ttft_slo_s=slo.ttft_s, itl_slo_s=slo.itl_s,
+        profile=name), role_plan=best.plan, ttft_slo_s=slo.ttft_s, itl_slo_s=slo.itl_s, itl_rule=rule,
         predicted_slo_attainment=best.predicted.slo_attainment_rounds, predicted_p95_ttft_s=best.predicted.ttft.p95_s,
     )  # fmt: skip
     env = deployment.write(out)
@@ -378,7 +379,7 @@ def _plan_json(result, checked) -> dict:
 
     def entry(r) -> dict:
         d = r.deployment
-        return {"configuration": _config(d), "eq5_rank": r.eq5_rank, "z": d.z, "tau_prefill": d.prefill.tau,
+        return {"configuration": deployment_label(d), "eq5_rank": r.eq5_rank, "z": d.z, "tau_prefill": d.prefill.tau,
                 "tau_decode": d.decode.tau, "predicted": r.predicted.model_dump()}  # fmt: skip
 
     return {

@@ -20,6 +20,10 @@ from rich.table import Table
 
 from ampd.local_redis import NoRedis, ensure_redis
 from ampd.processes import spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
+from gateway.config import GatewayConfig
+from gateway.policies import POLICIES, step_target
+from perfmodel.profile import load_profile
+from perfmodel.slo import ItlRule, derived_slo
 from tools_sandbox.client import queue_name
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
@@ -28,6 +32,16 @@ REDIS_PREFIX = "ampd"
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
+
+
+def engine_step_target_ms(policy: str, profile: str, speed: float, rule: ItlRule) -> float:
+    """The step time a GPU-free engine keeps to while it decodes under ``policy`` (0: none),
+    from the SLO the gateway derives for it - as the simulator sets it (gateway.policies.step_target)."""
+    if policy not in POLICIES:
+        return 0.0  # the gateway refuses the name itself
+    defaults = GatewayConfig.model_fields
+    slo = derived_slo(load_profile(profile), defaults["slo_scale"].default).scaled(speed)
+    return 1000 * step_target(POLICIES[policy], slo, rule, defaults["beta"].default)
 
 
 def run_stack(
@@ -39,11 +53,13 @@ def run_stack(
     workers: list[tuple[str, str]],
     speed: float,
     policy: str,
+    itl_rule: ItlRule = "mean",
     gateway_args: list[str] | None = None,
 ) -> int:
     """``workers`` are (role, profile) pairs; the n-th worker of a role listens on its
     role's port + 2n, so the default pair keeps 8101 and 8102 (a pool's ``both`` workers
-    take the prefill ports)."""
+    take the prefill ports). Under a policy whose engines size their steps to the ITL rule
+    (DynaServe's), each worker gets its step target."""
     STATE_DIR.mkdir(exist_ok=True)
     try:
         redis = ensure_redis(redis_url, STATE_DIR / "redis")
@@ -52,18 +68,19 @@ def run_stack(
         return 1
     registry = ["--redis-url", redis.url, "--redis-prefix", REDIS_PREFIX]
     base = {"prefill": prefill_port, "decode": decode_port, "both": prefill_port}
+    targets = {profile: engine_step_target_ms(policy, profile, speed, itl_rule) for _, profile in workers}
     placed = []
     for role, profile in workers:
         n = sum(1 for placed_role, *_ in placed if placed_role == role)
-        placed.append((role, profile, n, base[role] + 2 * n))
+        placed.append((role, profile, n, base[role] + 2 * n, targets[profile]))
     children_workers = [
         spawn_sim_worker(
             f"{role} worker {n} (GPU-free, {profile})",
             port,
-            ["--role", role, "--profile", profile, "--speed", str(speed), *registry],
+            ["--role", role, "--profile", profile, "--speed", str(speed), "--step-target-ms", str(target), *registry],
             log=STATE_DIR / f"{role}-{n}.log",
         )
-        for role, profile, n, port in placed
+        for role, profile, n, port, target in placed
     ]
     tools = spawn_tools_worker(redis.url, REDIS_PREFIX, STATE_DIR / "tools.log")
     children = list(children_workers)
@@ -73,7 +90,7 @@ def run_stack(
             console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
             return 1
         if failed is None:
-            args = [*registry, "--policy", policy, *(gateway_args or [])]
+            args = [*registry, "--policy", policy, "--itl-slo-metric", itl_rule, *(gateway_args or [])]
             gateway = spawn_gateway("gateway", gateway_port, args, STATE_DIR / "gateway.log")
             children.append(gateway)
             failed = wait_healthy([gateway], path="/readyz")
@@ -84,8 +101,8 @@ def run_stack(
             "redis": redis.url,
             "gateway": gateway.url,
             "workers": [
-                {"role": role, "profile": profile, "url": w.url}
-                for (role, profile, _, _), w in zip(placed, children_workers, strict=True)
+                {"role": role, "profile": profile, "url": w.url, "step_target_ms": target}
+                for (role, profile, _, _, target), w in zip(placed, children_workers, strict=True)
             ],  # fmt: skip
         }
         (STATE_DIR / "stack.json").write_text(json.dumps(stack, indent=2))

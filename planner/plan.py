@@ -401,6 +401,7 @@ class DeploymentFile(BaseModel):
     role_plan: RolePlan | None = None
     ttft_slo_s: float
     itl_slo_s: float
+    itl_rule: ItlRule = "mean"  # how the plan judged a round's ITL: the gateway's --itl-slo-metric
     predicted_slo_attainment: float
     predicted_p95_ttft_s: float | None
     z: float | None = None  # Eq. 5's objective (split deployments)
@@ -415,7 +416,8 @@ class DeploymentFile(BaseModel):
 
     def env(self) -> str:
         """The same decision as docker compose variables (``--env-file``)."""
-        lines: dict[str, object] = {"AMPD_MODEL": self.model, "AMPD_POLICY": self.policy}
+        lines: dict[str, object] = {"AMPD_MODEL": self.model, "AMPD_POLICY": self.policy,
+                                    "AMPD_ITL_SLO_METRIC": self.itl_rule}  # fmt: skip
         for name, phase in (("PREFILL", self.prefill), ("DECODE", self.decode), ("POOL", self.pool)):
             if phase is None:
                 lines[f"{name}_REPLICAS"] = 0
@@ -451,7 +453,8 @@ class DeploymentFile(BaseModel):
                 profile = f"{HELM_PROFILE_DIR}/{file}"
             values[name] = {"gpu": phase.gpu, "tp": phase.tp, "replicas": phase.replicas, "profile": profile}
         plan = None if self.role_plan is None else json.loads(role_plan_json(self.role_plan))
-        values["gateway"] = {"rolePlan": plan, "slo": {"ttftS": self.ttft_slo_s, "itlS": self.itl_slo_s}}
+        slo = {"ttftS": self.ttft_slo_s, "itlS": self.itl_slo_s, "itlMetric": self.itl_rule}
+        values["gateway"] = {"rolePlan": plan, "slo": slo}
         return values
 
     def write(self, path: Path) -> Path:
@@ -467,7 +470,9 @@ def role_plan_json(plan: RolePlan) -> str:
     return TypeAdapter(RolePlan).dump_json(plan).decode()
 
 
-def deployment_file(book: ProfileBook, best: RankedPlan, policy: str, slo: SLO) -> DeploymentFile:
+def deployment_file(
+    book: ProfileBook, best: RankedPlan, policy: str, slo: SLO, itl_rule: ItlRule = "mean"
+) -> DeploymentFile:
     def phase(option: PoolOption) -> PhaseDeployment:
         return PhaseDeployment(gpu=option.gpu, tp=option.tp, replicas=option.replicas,
                                profile=book.get(option.gpu, option.tp).name)  # fmt: skip
@@ -480,6 +485,7 @@ def deployment_file(book: ProfileBook, best: RankedPlan, policy: str, slo: SLO) 
         decode=phase(d.decode),
         ttft_slo_s=slo.ttft_s,
         itl_slo_s=slo.itl_s,
+        itl_rule=itl_rule,
         predicted_slo_attainment=best.predicted.slo_attainment_rounds,
         predicted_p95_ttft_s=best.predicted.ttft.p95_s,
         z=d.z,

@@ -100,6 +100,7 @@ def test_a_deployment_file_sets_pool_sizes_and_parallelism():
         assert parse_ampd(planned[role]["command"]).params["tp"] == phase.tp
         assert planned[role]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == str(phase.tp)
     assert "--policy=ampd-routing-only" in planned["gateway"]["command"]
+    assert "--itl-slo-metric=mean" in planned["gateway"]["command"]
     assert planned["pool"]["deploy"]["replicas"] == planned["pool-cpu"]["deploy"]["replicas"] == "0"
     assert parse_ampd(planned["gateway"]["command"]).params["role_plan"] in ("", None)
 
@@ -109,7 +110,7 @@ def test_an_elastic_deployment_file_starts_one_pool_and_hands_the_gateway_its_pl
     elastic = DeploymentFile(
         model="llama-3.1-70b", policy="elastic",
         pool=PhaseDeployment(gpu="H20", tp=2, replicas=4, profile="llama-3.1-70b_h20_tp2"), role_plan=plan,
-        ttft_slo_s=5.0, itl_slo_s=0.1, predicted_slo_attainment=0.9, predicted_p95_ttft_s=1.0,
+        ttft_slo_s=5.0, itl_slo_s=0.1, itl_rule="p95", predicted_slo_attainment=0.9, predicted_p95_ttft_s=1.0,
     )  # fmt: skip
     env = {}
     for line in elastic.env().splitlines():  # docker compose strips the single quotes of a value
@@ -122,7 +123,7 @@ def test_an_elastic_deployment_file_starts_one_pool_and_hands_the_gateway_its_pl
         assert parse_ampd(planned[name]["command"]).params["profile"] == "llama-3.1-70b_h20_tp2"
     assert parse_ampd(planned["pool"]["command"]).params["tp"] == 2
     gateway = parse_ampd(planned["gateway"]["command"]).params
-    assert gateway["policy"] == "elastic"
+    assert gateway["policy"] == "elastic" and gateway["itl_slo_metric"] == "p95"  # the rule it was planned by
     assert GatewayConfig(policy="elastic", role_plan=json.loads(gateway["role_plan"])).role_plan == plan
     with pytest.raises(ValueError, match="one pool"):
         DeploymentFile.model_validate({**elastic.model_dump(), "decode": elastic.pool.model_dump()})

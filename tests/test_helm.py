@@ -66,6 +66,7 @@ ELASTIC = DeploymentFile(
     role_plan=RolePlan((RoleStep(0.5, {1: 0.99, 2: 0.97}), RoleStep(2.0, {2: 0.95, 3: 0.9}))),
     ttft_slo_s=0.2,
     itl_slo_s=0.05,
+    itl_rule="p95",
     predicted_slo_attainment=0.95,
     predicted_p95_ttft_s=0.15,
 )
@@ -188,7 +189,7 @@ def test_helm_values_of_a_split_deployment():
     assert values["prefill"] == {"gpu": "H20", "tp": 2, "replicas": 3, "profile": "llama-3.1-70b_h20_tp2"}
     assert values["decode"] == {"gpu": "H20", "tp": 4, "replicas": 2, "profile": "llama-3.1-70b_h20_tp4"}
     assert values["pool"] == {"replicas": 0} and values["profiles"] == {}
-    assert values["gateway"] == {"rolePlan": None, "slo": {"ttftS": 1.25, "itlS": 0.06}}
+    assert values["gateway"] == {"rolePlan": None, "slo": {"ttftS": 1.25, "itlS": 0.06, "itlMetric": "mean"}}
     json.dumps(values)  # plain data: it goes into a values file
 
 
@@ -205,6 +206,7 @@ def test_helm_values_of_an_elastic_pool_carry_its_role_plan_and_derived_profile(
     }
     assert values["profiles"] == {"llama-3.1-8b_l40_tp2.json": DERIVED_PROFILE}
     assert values["gateway"]["rolePlan"] == json.loads(role_plan_json(ELASTIC.role_plan))
+    assert values["gateway"]["slo"]["itlMetric"] == "p95"  # judged as it was planned
     with pytest.raises(ValueError, match="not in the images"):
         ELASTIC.helm_values()  # a file the cluster cannot see, and no text to send it in
 

@@ -17,6 +17,10 @@ import pytest
 import redis
 
 from ampd.local_redis import NoRedis, ensure_redis, free_port
+from gateway.config import GatewayConfig
+from perfmodel.profile import DEFAULT_PROFILE, load_profile
+from perfmodel.slo import derived_slo
+from tests.engines import session_rounds
 
 MACHINE_REDIS = "redis://127.0.0.1:6379/15"
 
@@ -53,6 +57,7 @@ def test_up_starts_redis_workers_and_the_gateway(tmp_path):
         assert redis.Redis.from_url(stack["redis"]).ping()
         assert stack["redis"] != env["REDIS_URL"]
         assert [w["role"] for w in stack["workers"]] == ["prefill", "decode"]
+        assert [w["step_target_ms"] for w in stack["workers"]] == [0, 0]  # vLLM's batching under ampd
         # A tool-calling round trip through the gateway, as the README shows it.
         client = openai.OpenAI(base_url=f"{stack['gateway']}/v1", api_key="unused")
         tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -178,6 +183,33 @@ def test_up_runs_an_elastic_pool_a_deployment_file_names(tmp_path):
         reply = httpx.post(f"{stack['gateway']}/v1/chat/completions", timeout=30,
                            json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})  # fmt: skip
         assert reply.status_code == 200, reply.text
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+
+
+def test_up_sizes_the_engines_steps_under_dynaserve_and_a_tail_rule(tmp_path):
+    """`ampd up --pool 2 --policy dynaserve --itl-slo-metric p95`: every engine keeps its steps
+    to beta x its ITL SLO while it decodes (DynaServe's local scheduler), as the simulator and
+    `ampd bench run` set it, and the gateway splits a long first round between them."""
+    gateway, prefill = free_port(), free_port()
+    while prefill + 2 == gateway:  # the second engine listens on prefill + 2
+        prefill = free_port()
+    command = ["--pool", "2", "--policy", "dynaserve", "--itl-slo-metric", "p95", "--gateway-port", str(gateway),
+               "--prefill-port", str(prefill), "--speed", "50"]  # fmt: skip
+    up = start_up(tmp_path, *command)
+    try:
+        stack = wait_for(tmp_path / ".ampd" / "stack.json", up)
+        itl_slo_s = derived_slo(load_profile(DEFAULT_PROFILE)).scaled(50).itl_s
+        targets = [w["step_target_ms"] for w in stack["workers"]]
+        assert targets == pytest.approx([1000 * GatewayConfig().beta * itl_slo_s] * 2) and targets[0] > 0
+        prompt = " ".join(f"word{i}" for i in range(1500))  # long enough to split at a block boundary
+        reply = httpx.post(f"{stack['gateway']}/v1/chat/completions", headers={"X-Session-Id": "long-one"}, timeout=60,
+                           json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 8})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        (first,) = session_rounds(stack["gateway"], "long-one", 1)
+        assert first["route"] == "remote" and first["split_at"] and first["split_at"] % 16 == 0
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0

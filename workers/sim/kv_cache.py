@@ -127,24 +127,22 @@ class KVCache:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free_blocks:
             raise RuntimeError(f"KV cache over-committed: want {n}, {self.num_free_blocks} free")
-        ref_cnt, block_hash, freed, cached = self.ref_cnt, self.block_hash, self.freed, self.cached
-        out: list[int] = []
-        fresh = self.num_blocks - self.unused  # the head of the queue: never used, no hash
-        if fresh:
-            fresh = min(n, fresh)
-            out = list(range(self.unused, self.unused + fresh))
-            self.unused += fresh
-            for block_id in out:
-                ref_cnt[block_id] = 1
-        for _ in range(n - fresh):
-            block_id, _ = freed.popitem(last=False)
-            h = block_hash[block_id]
-            if h is not None:  # evict the stale cache entry
-                if cached.get(h) == block_id:
-                    del cached[h]
-                block_hash[block_id] = None
+        ref_cnt = self.ref_cnt
+        fresh = min(n, self.num_blocks - self.unused)  # the head of the queue: never used, no hash
+        out = list(range(self.unused, self.unused + fresh))
+        self.unused += fresh
+        if n > fresh:  # then the freed, oldest first, each evicting its stale cache entry
+            popitem, block_hash, cached = self.freed.popitem, self.block_hash, self.cached
+            reused = [popitem(False)[0] for _ in range(n - fresh)]
+            for block_id in reused:
+                h = block_hash[block_id]
+                if h is not None:
+                    if cached.get(h) == block_id:
+                        del cached[h]
+                    block_hash[block_id] = None
+            out += reused
+        for block_id in out:
             ref_cnt[block_id] = 1
-            out.append(block_id)
         return out
 
     def cache_full_blocks(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:

@@ -72,7 +72,7 @@ class KVLoad:
         return max(0, self.end_token - self.first_token)
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     prefills: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
     decodes: list[Request] = field(default_factory=list)
@@ -83,7 +83,7 @@ class Step:
 
     @property
     def num_steps(self) -> int:
-        return max(1, len(self.boundaries))
+        return len(self.boundaries) or 1
 
     @property
     def num_tokens(self) -> int:
@@ -91,8 +91,7 @@ class Step:
 
     def truncate(self, elapsed: float) -> None:
         """Keep the fused sub-steps up to the first one ending at or after ``elapsed``."""
-        keep = next((i + 1 for i, end in enumerate(self.boundaries) if end >= elapsed), self.num_steps)
-        del self.boundaries[keep:]
+        del self.boundaries[bisect_left(self.boundaries, elapsed) + 1 :]
         self.duration = self.boundaries[-1] if self.boundaries else self.duration
 
     @property
@@ -100,7 +99,7 @@ class Step:
         return not self.prefills and not self.decodes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     request: Request
     new_token_ids: list[int]
@@ -160,6 +159,8 @@ class Scheduler:
     def schedule(self, now: float, max_decode_steps: int = 1) -> Step:
         self._expire_holds(now)
         step = Step()
+        if not self.has_work:
+            return step
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         decoding = (
@@ -172,11 +173,10 @@ class Scheduler:
                 break
             if request.is_decoding or request.status != RequestStatus.RUNNING:
                 continue  # decodes come last; victims of an earlier preemption are out
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if decoding:
-                n = self._within_target(step, request.num_computed_tokens, n, decoding)
-                if n == 0:
-                    continue
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                            step, request.num_computed_tokens, decoding)  # fmt: skip
+            if n == 0:
+                continue
             if self._reserve(request, n, step, scheduled):
                 step.prefills.append((request, n))
                 scheduled.add(request.request_id)
@@ -339,11 +339,12 @@ class Scheduler:
         return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
 
     # -- internals ---------------------------------------------------------------
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """A prefill's tokens this step: what is left, within the budget and vLLM's per-request cap
-        (and, while requests decode under a step-time target, :meth:`_within_target`'s)."""
+    def _chunk(self, remaining: int, budget: int, step: Step, context: int, decoding: list[int]) -> int:
+        """A prefill's tokens this step: what is left, within the budget, vLLM's per-request
+        cap and, while requests decode, the step-time target (:meth:`_within_target`)."""
         cap = self.config.long_prefill_token_threshold
-        return min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        n = min(remaining, budget, cap) if cap > 0 else min(remaining, budget)
+        return self._within_target(step, context, n, decoding) if decoding else n
 
     def _within_target(self, step: Step, context: int, n: int, decoding: list[int]) -> int:
         """At most ``n`` prefill tokens at ``context`` that keep the step - the prefills chosen
@@ -400,11 +401,9 @@ class Scheduler:
             return 0
 
         context = request.num_computed_tokens + hit_tokens
-        n = self._chunk(request.num_tokens - context, budget)
-        if decoding:
-            n = self._within_target(step, context, n, decoding)
-            if n == 0:
-                return None
+        n = self._chunk(request.num_tokens - context, budget, step, context, decoding)
+        if n == 0:
+            return None
         total = context + n
         needed = max(0, self.kv.blocks_for(total) - len(request.block_ids) - len(hits))
         if not self.kv.can_allocate(needed, hits):
