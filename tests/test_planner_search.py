@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -162,3 +165,18 @@ def test_the_split_search_finds_the_best_split_eq5_misses():
     eq5 = max(r.predicted.slo_attainment_rounds for r in result.ranked if r.eq5_rank)
     assert first.predicted.slo_attainment_rounds >= eq5 + 0.1
     assert first.predicted.slo_attainment_rounds >= best.predicted.slo_attainment_rounds - 0.02
+
+
+def test_bench_plan_times_the_whole_planning_path(tmp_path):
+    """`ampd bench plan --sizes 8`: the planner on its 8-GPU trace, timed, as `ampd plan` runs it."""
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, "-m", "ampd.cli", "bench", "plan", "--sizes", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["gpus"], row["sessions"], row["rate"]) == (8, 600, 1.25)
+    assert 0 < row["solve_s"] < row["wall_s"] and 0 < row["simulated"] <= row["coefficients"]
+    assert row["first"].startswith("P <TP=") and 0 < row["attainment"] <= 1
+    refused = subprocess.run([sys.executable, "-m", "ampd.cli", "bench", "plan", "--sizes", "12"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "sizes are 8, 64, 256" in refused.stdout

@@ -388,6 +388,22 @@ def bench_elastic(
         console.print(f"wrote {path}")
 
 
+@bench_app.command("plan")
+def bench_plan(
+    sizes: Annotated[str, typer.Option(help="cluster sizes in H20 GPUs, from 8, 64 and 256")] = "8,64,256",
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """The whole planning path's time for 8, 64 and 256 GPUs (ToolBench traces), beside the paper's minute."""
+    from ampd.bench.plan import run_plan_bench
+
+    try:
+        chosen = [int(n) for n in sizes.split(",") if n]
+    except ValueError as exc:
+        raise fail(f"bad --sizes {sizes!r}: GPU counts, comma-separated") from exc
+    console.width = max(console.width, 130)  # the table's width; a pipe would otherwise get 80 columns
+    raise typer.Exit(run_plan_bench(console, chosen, out))
+
+
 @bench_app.command("ilp")
 def bench_ilp(
     repeats: Annotated[int, typer.Option(help="runs per cluster size; the median is reported")] = 5,
