@@ -18,10 +18,11 @@ Every policy is a routing rule plus a queue discipline over the same engines. Pu
   current roles; ``elastic-arrow`` and ``elastic-dopd`` keep one source of moves;
 * ``dynaserve``: DynaServe's micro-requests on a pool of unified engines - every engine
   decodes its sessions and prefills others' - each prompt split between the cheapest
-  other engine and the session's (gateway.split_point), and the engines' steps sized
-  to the ITL rule (``slo_batching``); ``dynaserve-split-only`` and
-  ``dynaserve-batching-only`` keep one of the two; ``elastic-split``: the elastic roles
-  with the same split.
+  other engine and the session's where that finishes the prompt soonest
+  (gateway.split_point), and the engines' steps sized to the ITL rule
+  (``slo_batching``); ``dynaserve-split-only`` and ``dynaserve-batching-only`` keep one
+  of the two; ``dynaserve-alg1`` splits at DynaServe's Alg. 1 point as printed;
+  ``elastic-split``: the elastic roles with the same split as ``dynaserve``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from gateway.conditional_disagg import ConditionalDisagg
 from gateway.elastic import ElasticConfig
 from gateway.reordering import Decision, QueuedTask, reorder
 from gateway.routing import Route, RouteContext, adaptive_route, local_only, shortest_remote, tail_aware_route
-from gateway.split_point import split_route
+from gateway.split_point import alg1_route, split_route
 from gateway.uncached_threshold import UncachedThreshold
 from perfmodel.slo import SLO, ItlRule
 
@@ -82,6 +83,7 @@ POLICIES: dict[str, Policy] = {
         Policy("elastic-dopd", tail_aware_route, "reorder", elastic=ElasticConfig(arrow=False, planned=False)),
         Policy("dynaserve", split_route, "fifo", unified=True, slo_batching=True),
         Policy("dynaserve-split-only", split_route, "fifo", unified=True),
+        Policy("dynaserve-alg1", alg1_route, "fifo", unified=True, slo_batching=True),
         Policy("dynaserve-batching-only", local_only, "fifo", unified=True, slo_batching=True),
         Policy("elastic-split", split_route, "reorder", elastic=ElasticConfig(), slo_batching=True),
     ]

@@ -17,16 +17,30 @@ holds the history already - and prefills [s, l_total) itself beside its decodes:
 * T2(s): the decode engine's prefill queue and its compute of beta (Eq. 1 for the
   tokens after s).
 
-T1 grows with s and T2 falls, so the search converges on the balance. Split points are
-whole KV blocks: the decode engine pulls whole blocks. A split the engines cannot run
-(an engine that is not the GPU-free one: vLLM's connector pulls whole prompts) is
-searched among the two ends only: local or remote.
+Alg. 1 balances T1 and T2 as if alpha and beta ran side by side. Inside a prompt they
+cannot: beta's tokens attend to alpha's, so beta starts when alpha's KV has landed, and
+a split round's prompt is done at max(T1(s), the decode engine's queue) + beta's compute
+(``finish_time``). On idle engines that is always later than the better end, and
+measured on ToolBench and HotpotQA at their knees (``ampd bench split``) Alg. 1's point
+cost 0.7-38 points of SLO attainment against not splitting. So ``dynaserve`` splits by
+that finish instead (``split_route``): the candidate split is the last point whose
+hand-off lands as the decode engine's queue drains (``handoff_point``: beyond it every
+token moved costs its compute on the prefill engine plus its transfer instead of its
+compute on the decode engine), and the round goes to whichever of it, a local prefill
+and a whole remote one finishes first. Alg. 1 as printed stays as ``dynaserve-alg1``
+(``alg1_route``), to compare with.
+
+Split points are whole KV blocks: the decode engine pulls whole blocks. A split the
+engines cannot run (an engine that is not the GPU-free one: vLLM's connector pulls whole
+prompts) is chosen among the two ends only: local or remote.
 
 Not DynaServe's: splits inside the decode phase (alpha generating the first tokens) -
 a session's decode stays on the engine it is bound to.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from gateway.routing import Route, RouteContext, WorkerView, local_cost, remote_costs, remote_work
 
@@ -47,13 +61,20 @@ def beta_time(ctx: RouteContext, s: int) -> float:
     return ctx.decode.queue_cost + ctx.decode.t_pre(s, ctx.task.l_total - s)
 
 
-def split_point(ctx: RouteContext, prefill: WorkerView, splits: bool = True) -> int:
+def finish_time(ctx: RouteContext, prefill: WorkerView, s: int) -> float:
+    """When the round's prompt is done if split at s: beta runs after alpha's hand-off has
+    landed and after the decode engine's queue, max(T1(s), the queue) + beta's compute.
+    s = l_hist has no alpha (a local prefill); s = l_total no beta to speak of."""
+    task, decode = ctx.task, ctx.decode
+    alpha_done = alpha_time(ctx, prefill, s) if s > task.l_hist else 0.0
+    return max(alpha_done, decode.queue_cost) + decode.t_pre(s, task.l_total - s)
+
+
+def balance_point(ctx: RouteContext, prefill: WorkerView) -> int:
     """Alg. 1: the split point s in [l_hist, l_total] that balances T1 and T2, in whole
     blocks; l_hist means local, l_total a whole remote prefill."""
     task, block = ctx.task, ctx.block_size
     lo, hi = task.l_hist, task.l_total
-    if not splits:  # the ends only: the one that finishes both engines' work first
-        return min((hi, lo), key=lambda s: max(alpha_time(ctx, prefill, s), beta_time(ctx, s)))
     s = hi  # line 3: start from disaggregation
     for _ in range(SEARCH_STEPS):
         t1, t2 = alpha_time(ctx, prefill, s), beta_time(ctx, s)
@@ -73,13 +94,53 @@ def split_point(ctx: RouteContext, prefill: WorkerView, splits: bool = True) -> 
     return s if s - task.l_hist >= block or s == task.l_total else task.l_hist
 
 
-def split_route(ctx: RouteContext) -> Route:
-    """``dynaserve``: the prompt split at Alg. 1's point between the cheapest prefill engine
-    (Eq. 2) and the session's decode engine; the ends are a local or a whole remote prefill."""
+def handoff_point(ctx: RouteContext, prefill: WorkerView) -> int:
+    """The last split point, in whole blocks, whose hand-off lands by the time the decode
+    engine's queue drains (T1(s) <= its queue); l_hist when less than a block makes it.
+    Before it beta waits on the queue anyway; past it beta waits on alpha."""
+    task, block, queue = ctx.task, ctx.block_size, ctx.decode.queue_cost
+    lo, hi = task.l_hist // block, (task.l_total - 1) // block  # the last token stays with beta
+    while lo < hi:  # T1 grows with s: bisect for the last block boundary within the queue
+        mid = (lo + hi + 1) // 2
+        if alpha_time(ctx, prefill, mid * block) <= queue:
+            lo = mid
+        else:
+            hi = mid - 1
+    s = lo * block
+    return s if s - task.l_hist >= block else task.l_hist
+
+
+def _route(ctx: RouteContext, choose: Callable[[RouteContext, WorkerView, bool], int]) -> Route:
+    """The round's route once ``choose`` has picked s for the cheapest prefill engine (Eq. 2)."""
     cost, prefill = min(zip(remote_costs(ctx), ctx.prefills, strict=True), key=lambda pair: pair[0])
-    s = split_point(ctx, prefill, ctx.decode.splits and prefill.splits)
+    s = choose(ctx, prefill, ctx.decode.splits and prefill.splits)
     if s <= ctx.task.l_hist:
         return Route("local", ctx.decode.worker_id, "split", local_cost(ctx.task, ctx.decode))
     if s >= ctx.task.l_total:
         return Route("remote", prefill.worker_id, "split", cost)
     return Route("remote", prefill.worker_id, "split", alpha_time(ctx, prefill, s), split_at=s)
+
+
+def _soonest(ctx: RouteContext, prefill: WorkerView, splits: bool) -> int:
+    ends = (ctx.task.l_total, ctx.task.l_hist)  # on a tie, no split: it occupies two engines
+    candidates = (*ends, handoff_point(ctx, prefill)) if splits else ends
+    return min(candidates, key=lambda s: finish_time(ctx, prefill, s))
+
+
+def _alg1(ctx: RouteContext, prefill: WorkerView, splits: bool) -> int:
+    if not splits:  # the ends only: the one that finishes both engines' work first
+        ends = (ctx.task.l_total, ctx.task.l_hist)
+        return min(ends, key=lambda s: max(alpha_time(ctx, prefill, s), beta_time(ctx, s)))
+    return balance_point(ctx, prefill)
+
+
+def split_route(ctx: RouteContext) -> Route:
+    """``dynaserve``: the round's prompt done soonest - split at ``handoff_point`` between
+    the cheapest prefill engine (Eq. 2) and the session's decode engine, prefilled
+    locally, or sent whole - by ``finish_time``."""
+    return _route(ctx, _soonest)
+
+
+def alg1_route(ctx: RouteContext) -> Route:
+    """``dynaserve-alg1``: Alg. 1 as printed - the prompt split where T1 and T2 balance."""
+    return _route(ctx, _alg1)

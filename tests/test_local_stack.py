@@ -189,13 +189,14 @@ def test_up_runs_an_elastic_pool_a_deployment_file_names(tmp_path):
 
 
 def test_up_sizes_the_engines_steps_under_dynaserve_and_a_tail_rule(tmp_path):
-    """`ampd up --pool 2 --policy dynaserve --itl-slo-metric p95`: every engine keeps its steps
-    to beta x its ITL SLO while it decodes (DynaServe's local scheduler), as the simulator and
-    `ampd bench run` set it, and the gateway splits a long first round between them."""
+    """`ampd up --pool 2 --policy dynaserve-alg1 --itl-slo-metric p95`: every engine keeps its
+    steps to beta x its ITL SLO while it decodes (DynaServe's local scheduler), as the
+    simulator and `ampd bench run` set it, and the gateway splits a long first round between
+    them (at Alg. 1's point: ``dynaserve``'s own rule leaves idle engines' rounds whole)."""
     gateway, prefill = free_port(), free_port()
     while prefill + 2 == gateway:  # the second engine listens on prefill + 2
         prefill = free_port()
-    command = ["--pool", "2", "--policy", "dynaserve", "--itl-slo-metric", "p95", "--gateway-port", str(gateway),
+    command = ["--pool", "2", "--policy", "dynaserve-alg1", "--itl-slo-metric", "p95", "--gateway-port", str(gateway),
                "--prefill-port", str(prefill), "--speed", "50"]  # fmt: skip
     up = start_up(tmp_path, *command)
     try:

@@ -20,7 +20,15 @@ import redis
 
 from ampd.bench.split import ARMS
 from gateway.routing import PrefillTask, RouteContext, WorkerView
-from gateway.split_point import alpha_time, beta_time, split_point, split_route
+from gateway.split_point import (
+    alg1_route,
+    alpha_time,
+    balance_point,
+    beta_time,
+    finish_time,
+    handoff_point,
+    split_route,
+)
 from perfmodel.profile import load_profile
 from perfmodel.slo import SLO
 from tests.engines import Engine, session_rounds, start_gateway, start_sim_worker, stop
@@ -45,9 +53,9 @@ def context(l_hist: int, l_total: int, d_queue: float = 0.0, p_queue: float = 0.
 
 
 @pytest.mark.unit
-def test_idle_engines_share_a_first_prompt_at_the_balance_in_whole_blocks():
+def test_alg1_shares_a_first_prompt_between_idle_engines_at_the_balance_in_whole_blocks():
     ctx = context(0, 6000)
-    s = split_point(ctx, ctx.prefills[0])
+    s = balance_point(ctx, ctx.prefills[0])
     assert 0 < s < 6000 and s % BLOCK == 0
     # Within the search's resolution (6 halvings of the prompt) of the balance: moving the
     # point by that much tips the balance the other way on one side.
@@ -55,30 +63,54 @@ def test_idle_engines_share_a_first_prompt_at_the_balance_in_whole_blocks():
     t1, t2 = alpha_time(ctx, ctx.prefills[0], s), beta_time(ctx, s)
     assert (alpha_time(ctx, ctx.prefills[0], s + step) > beta_time(ctx, s + step)) or t1 > t2
     assert (alpha_time(ctx, ctx.prefills[0], s - step) < beta_time(ctx, s - step)) or t1 < t2
+    assert alg1_route(ctx).split_at == s
+
+
+@pytest.mark.unit
+def test_dynaserve_splits_only_where_the_split_finishes_the_prompt_first():
+    """Beta waits for alpha's KV: on idle engines a split finishes after the better end, so
+    none is made; with the decode engine's queue half a remote prefill long, the split
+    whose hand-off lands as the queue drains beats both ends."""
+    idle = context(0, 6000)
+    assert split_route(idle).split_at is None
+    prefill = idle.prefills[0]
+    queue = alpha_time(idle, prefill, 6000) / 2
+    busy = context(0, 6000, d_queue=queue)
+    s = handoff_point(busy, prefill)
+    assert 0 < s < 6000 and s % BLOCK == 0
+    assert alpha_time(busy, prefill, s) <= queue < alpha_time(busy, prefill, s + BLOCK)
+    ends = min(finish_time(busy, prefill, 0), finish_time(busy, prefill, 6000))
+    assert finish_time(busy, prefill, s) < ends
+    chosen = split_route(busy)
+    assert (chosen.kind, chosen.worker_id, chosen.split_at) == ("remote", "p", s)
 
 
 @pytest.mark.unit
 def test_a_loaded_prefill_engine_leaves_the_round_local_and_a_loaded_decode_engine_sends_it_whole():
-    busy_prefill = context(3000, 3400, p_queue=10.0)
-    assert split_route(busy_prefill).kind == "local"
-    busy_decode = context(3000, 3400, d_queue=10.0)
-    chosen = split_route(busy_decode)
-    assert (chosen.kind, chosen.split_at) == ("remote", None)
+    for rule in (split_route, alg1_route):
+        busy_prefill = context(3000, 3400, p_queue=10.0)
+        assert rule(busy_prefill).kind == "local"
+        busy_decode = context(3000, 3400, d_queue=10.0)
+        chosen = rule(busy_decode)
+        assert (chosen.kind, chosen.split_at) == ("remote", None)
 
 
 @pytest.mark.unit
 def test_engines_that_cannot_split_get_one_end_or_the_other():
-    ctx = context(0, 6000, splits=False)
-    assert split_point(ctx, ctx.prefills[0], splits=False) in (0, 6000)
-    assert split_route(ctx).split_at is None
+    for queue in (0.0, 0.3, 3.0):
+        ctx = context(0, 6000, d_queue=queue, splits=False)
+        assert split_route(ctx).split_at is None and alg1_route(ctx).split_at is None
 
 
 @pytest.mark.unit
 def test_a_prefill_engine_holding_the_history_takes_part_of_the_increment():
     cold = context(4000, 6000)
     warm = context(4000, 6000, cached_tokens=4000)
-    s_cold, s_warm = split_point(cold, cold.prefills[0]), split_point(warm, warm.prefills[0])
+    s_cold, s_warm = balance_point(cold, cold.prefills[0]), balance_point(warm, warm.prefills[0])
     assert s_warm > 4000 and s_warm >= s_cold  # no history to recompute: more of the increment fits
+    queue = alpha_time(warm, warm.prefills[0], 6000) / 2  # the same for the hand-off point
+    cold, warm = context(4000, 6000, d_queue=queue), context(4000, 6000, d_queue=queue, cached_tokens=4000)
+    assert handoff_point(warm, warm.prefills[0]) > max(4000, handoff_point(cold, cold.prefills[0]))
 
 
 # -- the engine's halves -------------------------------------------------------------------------
@@ -130,7 +162,7 @@ class Stack:
         try:
             for _ in range(2):
                 self.engines.append(start_sim_worker(tmp, *common))
-            for policy in ("dynaserve", "coloc"):
+            for policy in ("dynaserve", "dynaserve-alg1", "coloc"):
                 self.gateways[policy] = start_gateway(tmp, REDIS_URL, self.prefix, "--policy", policy)
         except BaseException:
             self.close()
@@ -199,14 +231,15 @@ def test_a_split_point_off_the_block_grid_is_refused_in_vllms_shape(stack):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_dynaserve_splits_rounds_and_says_what_colocation_says(stack, stream):
-    """A three-round session through the splitting gateway, then the same conversation through
-    the colocating one: the same words every round, every round recorded, and rounds split."""
-    said: dict[str, list[str]] = {"dynaserve": [], "coloc": []}
+def test_split_rounds_say_what_colocation_says(stack, stream):
+    """A three-round session through each splitting gateway, then the same conversation
+    through the colocating one: the same words every round, every round recorded, and
+    rounds split by Alg. 1 (on idle engines ``dynaserve``'s own rule mostly does not)."""
+    said: dict[str, list[str]] = {"dynaserve": [], "dynaserve-alg1": [], "coloc": []}
     conversation = [{"role": "user", "content": long_text(500)}]
     extras = [long_text(300), long_text(200)]
     sessions = {policy: f"split-{policy}-{uuid.uuid4().hex[:8]}" for policy in said}
-    for policy in ("dynaserve", "coloc"):
+    for policy in said:
         client = openai.OpenAI(base_url=f"{stack.gateways[policy].url}/v1", api_key="none", max_retries=0)
         messages = list(conversation)
         for turn in range(3):
@@ -224,8 +257,9 @@ def test_dynaserve_splits_rounds_and_says_what_colocation_says(stack, stream):
             messages = [*messages, {"role": "assistant", "content": text}]
             if turn < 2:
                 messages.append({"role": "user", "content": extras[turn]})
-    assert said["dynaserve"] == said["coloc"] and all(said["coloc"])
-    split_rounds = stack.rounds("dynaserve", sessions["dynaserve"], 3)
+    assert said["dynaserve"] == said["dynaserve-alg1"] == said["coloc"] and all(said["coloc"])
+    assert [r["round"] for r in stack.rounds("dynaserve", sessions["dynaserve"], 3)] == [1, 2, 3]
+    split_rounds = stack.rounds("dynaserve-alg1", sessions["dynaserve-alg1"], 3)
     assert [r["round"] for r in split_rounds] == [1, 2, 3]
     assert all(r["ttft_s"] is not None for r in split_rounds)
     split = [r for r in split_rounds if r["split_at"] is not None]
@@ -242,7 +276,7 @@ def test_bench_split_sets_the_two_mechanisms_apart_on_pools_that_can_split(tmp_p
     pools = {p["pool"] for p in points}
     assert pools and all("DP=1 " not in pool for pool in pools)  # a single engine has nothing to split with
     assert {p["policy"] for p in points} == set(ARMS) and len(points) == len(pools) * len(ARMS)
-    splitting = {"dynaserve", "dynaserve-split-only"}
+    splitting = {"dynaserve", "dynaserve-alg1", "dynaserve-split-only"}
     assert all(p["split_share"] == 0 for p in points if p["policy"] not in splitting)
-    assert all(p["split_share"] > 0 for p in points if p["policy"] in splitting)
+    assert all(p["split_share"] > 0 for p in points if p["policy"] == "dynaserve-alg1")
     assert "rounds split" in (tmp_path / "split.md").read_text()
