@@ -328,6 +328,10 @@ def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, ga
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Plan the week."}]
     swapped = {ids[prefill.url]: "decode", ids[decode.url]: "prefill"}
     restored = {ids[prefill.url]: "prefill", ids[decode.url]: "decode"}
+    # An engine whose scrape stalls past the gateway's grace is out of its pool until its
+    # next good scrape - likely what gave this test's first round a 503 in a clean-clone
+    # run, right after the test before stalled the decode engine in a failed handshake.
+    until(roles_applied(gateway, restored), 60, "the gateway to list both engines in their roles")
     body = {"model": MODEL, "messages": messages, "max_tokens": 48, "ignore_eos": True, "seed": 1, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     try:
