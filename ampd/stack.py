@@ -23,7 +23,7 @@ from ampd.processes import spawn_gateway, spawn_sim_worker, spawn_tools_worker, 
 from gateway.config import GatewayConfig
 from gateway.policies import POLICIES, step_target
 from perfmodel.profile import load_profile
-from perfmodel.slo import ItlRule, derived_slo
+from perfmodel.slo import ItlRule
 from tools_sandbox.client import queue_name
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
@@ -39,9 +39,8 @@ def engine_step_target_ms(policy: str, profile: str, speed: float, rule: ItlRule
     from the SLO the gateway derives for it - as the simulator sets it (gateway.policies.step_target)."""
     if policy not in POLICIES:
         return 0.0  # the gateway refuses the name itself
-    defaults = GatewayConfig.model_fields
-    slo = derived_slo(load_profile(profile), defaults["slo_scale"].default).scaled(speed)
-    return 1000 * step_target(POLICIES[policy], slo, rule, defaults["beta"].default)
+    config = GatewayConfig()  # what `ampd up` starts the gateway with, but for the policy and rule
+    return 1000 * step_target(POLICIES[policy], config.slo(load_profile(profile), speed), rule, config.beta)
 
 
 def run_stack(

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from gateway.elastic import RolePlan
 from gateway.policies import POLICIES
-from perfmodel.slo import ItlRule
+from perfmodel.profile import Profile
+from perfmodel.slo import SLO, ItlRule, derived_slo
 from tools_sandbox.registry import TOOLS
 from workers.registry import Role
 
@@ -98,3 +99,9 @@ class GatewayConfig(BaseModel):
             k.removeprefix("sha256:") if k.startswith("sha256:") else hashlib.sha256(k.encode()).hexdigest()
             for k in self.api_keys
         )
+
+    def slo(self, profile: Profile, speed: float) -> SLO:
+        """The SLO rounds decoded on an engine of ``profile`` at ``speed`` are judged by: the
+        thresholds given, else the scale times that engine's unloaded latencies."""
+        derived = derived_slo(profile, self.slo_scale).scaled(speed)
+        return SLO(self.ttft_slo_s or derived.ttft_s, self.itl_slo_s or derived.itl_s)

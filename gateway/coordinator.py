@@ -43,7 +43,7 @@ from gateway.tokens import sim_prompt_tokens
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.tracing import RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
-from perfmodel.slo import SLO, derived_slo
+from perfmodel.slo import SLO
 from tools_sandbox.client import ToolRunner
 from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool
@@ -142,8 +142,7 @@ class Gateway:
 
     def slo_for(self, model: str) -> SLO:
         worker = self.pool.decoders(model)[0].info
-        derived = derived_slo(worker.profile, self.config.slo_scale).scaled(worker.speed)
-        return SLO(self.config.ttft_slo_s or derived.ttft_s, self.config.itl_slo_s or derived.itl_s)
+        return self.config.slo(worker.profile, worker.speed)
 
     def resolve_model(self, requested: str | None) -> str:
         models = self.pool.models()
