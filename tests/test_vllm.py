@@ -113,6 +113,16 @@ def wait_registered(engines: list[Engine], prefix: str, tmp: Path) -> None:
     raise AssertionError(f"vLLM workers did not register within {READY_TIMEOUT_S} s")
 
 
+def worker_ids(prefix: str, engines: list[Engine], timeout_s: float = 120) -> dict[str, str]:
+    """The engines' worker ids by URL, from one read of the registry that lists them all:
+    an engine whose supervisor missed a heartbeat (see :func:`set_roles`) is waited for."""
+    deadline = time.monotonic() + timeout_s
+    while not all(e.url in (live := registered(prefix)) for e in engines):
+        assert time.monotonic() < deadline, f"{[e.url for e in engines]} not all registered within {timeout_s} s"
+        time.sleep(0.5)
+    return {e.url: live[e.url].worker_id for e in engines}
+
+
 def set_roles(prefix: str, roles: dict[str, str], timeout_s: float = 120) -> None:
     """Each engine's role (by worker id), as an operator gives it (`ampd workers set`, which
     refuses an engine that is not registered). A supervisor niced beside engines that
@@ -322,7 +332,7 @@ def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, ga
     engine pulls the KV over NIXL instead of recomputing it."""
     prefill, decode, prefix = vllm
     gateway = gateways[0]  # disagg: every round is a hand-off
-    ids = {u: info.worker_id for u, info in registered(prefix).items()}
+    ids = worker_ids(prefix, [prefill, decode])  # seen in a clean-clone run: one of them out for a moment
     first_handoff(decode, prefill)  # the new direction's NIXL handshake (see first_handoff)
     session_id = f"swap-{uuid.uuid4().hex[:8]}"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Plan the week."}]
