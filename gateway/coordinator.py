@@ -1,12 +1,13 @@
 """The coordinator: one client request (an exchange) from its body to its last round.
 
-The life of an exchange: find its session (gateway.sessions) and bind it to a decode
-worker; count the prompt (in the gateway with the engine's own code where it has it,
-gateway.tokens, else with the engine's ``/tokenize``); read the load signals of the
-workers it could use (one script); plan its first round with the round core and run it
-(gateway.rounds); when server-side tools are enabled, run the calls the model made on
-the tools workers and the next round after them (gateway.tool_loop); finally remember
-the conversation the client now holds, and what the engine holds when that differs.
+The life of an exchange: read its session and the load signals of the workers it could
+use in one round trip (gateway.round_reads) while its prompt is counted (in the gateway
+with the engine's own code where it has it, gateway.tokens, else with the engine's
+``/tokenize``), and bind the session to a decode worker; plan its first round with the
+round core and run it (gateway.rounds); when server-side tools are enabled, run the calls
+the model made on the tools workers and the next round after them (gateway.tool_loop);
+finally remember the conversation the client now holds, and what the engine holds when
+that differs.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from gateway.outage import RedisHealth
 from gateway.policies import POLICIES
 from gateway.pool import WorkerPool
 from gateway.prefill_queue import PrefillQueues
+from gateway.round_reads import RoundReads
 from gateway.rounds import Round, RoundRecorder, RoundRunner
-from gateway.sessions import Session, SessionStore, continues, conversation_hashes, explicit_session_id, new_session
+from gateway.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.stats import WindowedStats
 from gateway.tokens import sim_prompt_tokens
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
@@ -78,6 +80,7 @@ class Gateway:
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
         self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
         self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
+        self.reads = RoundReads(self.redis, self.sessions, self.queues, self.stats, self.health)
         self.elastic = None
         if policy.elastic is not None:
             self.elastic = ElasticLoop(
@@ -168,14 +171,14 @@ class Gateway:
         request, model, server_tools, engine_tools, messages = self._read(raw)
         hashes = conversation_hashes(scope, messages)
         explicit = session_id or explicit_session_id(headers, raw)
-        # One concurrent stage: the session, the prompt's length, and the load signals of
-        # every worker the round could go to (which one it is depends on the first two).
-        found, l_total, signals = await asyncio.gather(
-            self._find_session(scope, explicit, hashes),
+        # One concurrent stage: the prompt's length, and in one Redis round trip the session
+        # and the load signals of every worker the round could go to (which one it is
+        # depends on the first two).
+        opened, l_total = await asyncio.gather(
+            self.reads.read(scope, explicit, hashes, self._candidates(model)),
             self._count(model, messages, engine_tools or None),
-            self._signals(model),
         )
-        session, transcript = found
+        session, transcript, signals = opened.session, opened.transcript, opened.signals
         extends = session is not None and continues(session, hashes)
         engine_messages = messages
         if extends and transcript is not None:  # server tool rounds the client never saw
@@ -222,18 +225,6 @@ class Gateway:
             raise APIError(400, f"tools named like server tools: {sorted(clashing)}", param="tools")
         return wanted
 
-    async def _find_session(
-        self, scope: str, explicit: str | None, hashes: list[str]
-    ) -> tuple[Session | None, list[dict[str, Any]] | None]:
-        """The request's session, and its transcript if server-side rounds made one."""
-        session_id = explicit or await self.sessions.infer(scope, hashes)
-        if session_id is None:
-            return None, None
-        session = await self.sessions.load(scope, session_id)
-        if session is None or not session.has_transcript:
-            return session, None
-        return session, await self.sessions.transcript(scope, session_id)
-
     async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
         """The prompt's length in tokens: counted here with the engine's own code where the
         gateway has it (gateway.tokens), else by the least loaded decode worker. One that is
@@ -253,9 +244,13 @@ class Gateway:
                 lost = exc
         raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
 
+    def _candidates(self, model: str) -> list[str]:
+        """Every worker a round of ``model`` could use."""
+        return sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
+
     async def _signals(self, model: str) -> Signals:
         """Queued prefill seconds and tokens, and windowed TTFT/ITL, of every worker a round of ``model`` could use."""
-        ids = sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
+        ids = self._candidates(model)
         costs, tokens, means = await self.queues.signals(ids, self.stats, signal_series(ids))
         return Signals(costs, means, tokens)
 
@@ -323,13 +318,15 @@ class Gateway:
     async def _close(self, ex: Exchange, client: Reply) -> None:
         """Remember the exchange: the conversation the client now holds, and - when it
         differs - what the engine holds, for the session's next request."""
-        conversation = ex.client_messages + [client.message()]
+        reply = client.message()
+        conversation = ex.client_messages + [reply]
         if self.config.log_content:
-            asked, answered = orjson.dumps(ex.client_messages).decode(), orjson.dumps(client.message()).decode()
+            asked, answered = orjson.dumps(ex.client_messages).decode(), orjson.dumps(reply).decode()
             content_log.info("session %s: %s -> %s", ex.session.session_id, asked, answered)
         transcript = ex.engine_messages if ex.engine_messages != conversation else None
         # With the round's record, where it is still staged: one round trip closes the exchange.
         if ex.writes is None:
             ex.writes = self.redis.pipeline(transaction=False)
-        self.sessions.save(ex.writes, ex.session, conversation, transcript)
+        digest = conversation_hashes(ex.scope, [reply], after=ex.request_hash)[-1]
+        self.sessions.save(ex.writes, ex.session, conversation, digest, transcript)
         await self.rounds.recorder.flush(ex, "session")

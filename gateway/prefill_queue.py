@@ -101,14 +101,29 @@ class PrefillQueues:
     async def signals(
         self, worker_ids: Iterable[str], stats: WindowedStats, wanted: Iterable[tuple[str, str]]
     ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
-        """What routing reads, in one round trip (every round reads it before it is routed):
-        per worker, estimated seconds of prefill queued (Eq. 1-2's queue term) and the prompt
-        tokens of the prefills queued or running there; and the windowed means ``wanted``."""
+        """What routing reads, in one round trip: per worker, estimated seconds of prefill
+        queued (Eq. 1-2's queue term) and the prompt tokens of the prefills queued or running
+        there; and the windowed means ``wanted``. A client's round reads them together with
+        its session (gateway.round_reads); a server tool round, here."""
         ids, wanted = list(worker_ids), list(wanted)
         try:
-            flat = await self._signals(args=[self.p, time.time(), len(ids), *ids, *stats.means_args(wanted)])
-        except REDIS_DOWN as exc:  # no queue to wait in, no statistics: profile estimates (gateway.outage)
+            flat = await self._signals(args=self.signals_args(ids, stats, wanted))
+        except REDIS_DOWN as exc:
             self.health.failed("prefill queue", exc)
+            flat = None
+        return self.parse_signals(ids, stats, wanted, flat)
+
+    def signals_args(self, ids: list[str], stats: WindowedStats, wanted: list[tuple[str, str]]) -> list[object]:
+        """SIGNALS's arguments (gateway.scripts)."""
+        return [self.p, time.time(), len(ids), *ids, *stats.means_args(wanted)]
+
+    @staticmethod
+    def parse_signals(
+        ids: list[str], stats: WindowedStats, wanted: list[tuple[str, str]], flat: list | None
+    ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
+        """SIGNALS's answer; ``None`` (Redis is away): no queue to wait in, no statistics, so
+        the profiles' estimates alone (gateway.outage)."""
+        if flat is None:
             return dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0), {}
         costs, tokens = _parse_loads(ids, flat[: 3 * len(ids)])
         return costs, tokens, stats.parse_means(wanted, flat[3 * len(ids) :])

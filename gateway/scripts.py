@@ -9,6 +9,9 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
 * ``{p}:inflight:{w}`` - task ids holding a prefill slot, scored by lease expiry (gateway.leases)
 * ``{p}:replica:{r}`` and channel ``{p}:ready:{r}`` - a replica's liveness and its dispatch
   notices (gateway.replicas)
+* ``{p}:session:{scope}:{session}`` - hash: a session's binding and conversation;
+  ``{p}:transcript:{scope}:{session}`` - the engine's conversation, JSON, when it differs;
+  ``{p}:conversation:{scope}:{hash}`` - the session a conversation belongs to (gateway.sessions)
 * ``{p}:rounds:{scope}:{session}`` - a session's round records, JSON, oldest first (gateway.sessions)
 * ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
 * ``{p}:role:{w}`` - hash: role, since, draining of an engine; ``{p}:elastic:leader`` - the
@@ -77,36 +80,71 @@ redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', ARGV[6] .. ARGV[4], 't
 return 1
 """
 
-# What a round's routing reads, in one round trip. ARGV: key prefix, now, n, the n worker
-# ids, stat key prefix, first second, window, then (series, worker) pairs. Returns, per
-# worker: seconds of prefill queued (a string: a float), prompt tokens queued, and prompt
-# tokens of the prefills holding its slots (lapsed leases not counted); then, per pair,
-# the windowed sum (a string) and count.
-SIGNALS = """
-local out = {}
-local n = tonumber(ARGV[3])
-for i = 4, 3 + n do
-  local w = ARGV[i]
-  table.insert(out, redis.call('GET', ARGV[1] .. ':pqcost:' .. w) or '0')
-  table.insert(out, tonumber(redis.call('GET', ARGV[1] .. ':pqtokens:' .. w) or 0))
-  local running = 0
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', ARGV[1] .. ':inflight:' .. w, ARGV[2], '+inf')) do
-    running = running + tonumber(redis.call('HGET', ARGV[1] .. ':task:' .. id, 'tokens') or 0)
+# What a round's routing reads, as a Lua function of where its arguments start in ARGV
+# (``a``: 0 for SIGNALS, after the session's arguments for OPEN). ARGV from a + 1: key
+# prefix, now, n, the n worker ids, stat key prefix, first second, window, then (series,
+# worker) pairs. Returns, per worker: seconds of prefill queued (a string: a float), prompt
+# tokens queued, and prompt tokens of the prefills holding its slots (lapsed leases not
+# counted); then, per pair, the windowed sum (a string) and count.
+_SIGNALS = """
+local function signals(a)
+  local out = {}
+  local n = tonumber(ARGV[a + 3])
+  for i = a + 4, a + 3 + n do
+    local w = ARGV[i]
+    table.insert(out, redis.call('GET', ARGV[a + 1] .. ':pqcost:' .. w) or '0')
+    table.insert(out, tonumber(redis.call('GET', ARGV[a + 1] .. ':pqtokens:' .. w) or 0))
+    local running = 0
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', ARGV[a + 1] .. ':inflight:' .. w, ARGV[a + 2], '+inf')) do
+      running = running + tonumber(redis.call('HGET', ARGV[a + 1] .. ':task:' .. id, 'tokens') or 0)
+    end
+    table.insert(out, running)
   end
-  table.insert(out, running)
-end
-local prefix, first, window = ARGV[4 + n], tonumber(ARGV[5 + n]), tonumber(ARGV[6 + n])
-for i = 7 + n, #ARGV, 2 do
-  local total, count = 0, 0
-  for s = first, first + window - 1 do
-    local v = redis.call('HMGET', prefix .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
-    if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
+  local prefix, first, window = ARGV[a + 4 + n], tonumber(ARGV[a + 5 + n]), tonumber(ARGV[a + 6 + n])
+  for i = a + 7 + n, #ARGV, 2 do
+    local total, count = 0, 0
+    for s = first, first + window - 1 do
+      local v = redis.call('HMGET', prefix .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
+      if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
+    end
+    table.insert(out, tostring(total))
+    table.insert(out, count)
   end
-  table.insert(out, tostring(total))
-  table.insert(out, count)
+  return out
 end
-return out
 """
+
+# The load signals alone (a server tool round, whose session is in hand; the elastic loop).
+SIGNALS = _SIGNALS + "return signals(0)\n"
+
+# Everything a client's round reads before it is planned, in one round trip: its session -
+# by the id it gave, else the newest of the conversation keys that names one (gateway.sessions)
+# - with the session's transcript if it has one, and the load signals. KEYS: the request's
+# conversation keys, shortest conversation first (none when it gave an id). ARGV: session key
+# prefix, transcript key prefix, the id it gave ('' for none), then SIGNALS's arguments.
+# Returns: the session id under each conversation key (nil where none), the id read ('' for
+# none), the session's hash (flat; empty if it has none), its transcript (nil if none), the signals.
+OPEN = (
+    _SIGNALS
+    + """
+local found = {}
+if #KEYS > 0 then found = redis.call('MGET', unpack(KEYS)) end
+local id = ARGV[3]
+if id == '' then
+  for i = #found, 1, -1 do
+    if found[i] then id = found[i]; break end
+  end
+end
+local session, transcript = {}, false
+if id ~= '' then
+  session = redis.call('HGETALL', ARGV[1] .. id)
+  for j = 1, #session, 2 do
+    if session[j] == 'has_transcript' and session[j + 1] == '1' then transcript = redis.call('GET', ARGV[2] .. id) end
+  end
+end
+return {found, id, session, transcript, signals(3)}
+"""
+)
 
 # Record a finished round once: a client that retries a request whose stream broke after
 # the round was recorded (a gateway replica killed before its last bytes, say) sends

@@ -24,7 +24,7 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -133,9 +133,11 @@ def canonical_message(message: Mapping[str, Any]) -> str:
     return json.dumps(parts, sort_keys=True, separators=(",", ":"))
 
 
-def conversation_hashes(scope: str, messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """hashes[i] identifies messages[: i + 1] (a chain, so each costs one hash)."""
-    out, state = [], hashlib.blake2b(scope.encode(), digest_size=16).digest()
+def conversation_hashes(scope: str, messages: Sequence[Mapping[str, Any]], after: str = "") -> list[str]:
+    """hashes[i] identifies messages[: i + 1] - or, given ``after`` (the hash of the
+    conversation before them), that conversation followed by messages[: i + 1]. A chain,
+    so each costs one hash, and a conversation grown by a reply costs one more."""
+    out, state = [], bytes.fromhex(after) if after else hashlib.blake2b(scope.encode(), digest_size=16).digest()
     for message in messages:
         state = hashlib.blake2b(state + canonical_message(message).encode(), digest_size=16).digest()
         out.append(state.hex())
@@ -145,10 +147,11 @@ def conversation_hashes(scope: str, messages: Sequence[Mapping[str, Any]]) -> li
 class SessionStore:
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int, health: RedisHealth) -> None:
         self.redis, self.p, self.ttl_s, self.health = redis, prefix, ttl_s, health
-        # Redis key -> what was last written there by this replica, newest last.
-        self._held: OrderedDict[str, Any] = OrderedDict()
+        # Redis key -> what was last written there by this replica, newest last; kept as
+        # written (flat strings), so the garbage collector has nothing in it to walk.
+        self._held: OrderedDict[str, str | dict[str, str]] = OrderedDict()
 
-    def _hold(self, key: str, value: Any) -> None:
+    def _hold(self, key: str, value: str | dict[str, str]) -> None:
         self._held[key] = value
         self._held.move_to_end(key)
         while len(self._held) > 3 * HELD:
@@ -161,15 +164,19 @@ class SessionStore:
         return f"{self.p}:conversation:{scope}:{digest}"
 
     async def load(self, scope: str, session_id: str) -> Session | None:
-        key = self._key(scope, session_id)
         try:
-            fields = await self.redis.hgetall(key)
+            fields = await self.redis.hgetall(self._key(scope, session_id))
         except REDIS_DOWN as exc:
             self.health.failed("session", exc)
             fields = {}
+        return self.session(scope, session_id, fields)
+
+    def session(self, scope: str, session_id: str, fields: Mapping[str, str]) -> Session | None:
+        """The session from its Redis hash, or - where Redis has none (restarted empty, or
+        away) - from this replica's copy of what it last wrote there."""
+        fields = fields or self._held.get(self._key(scope, session_id)) or {}
         if not fields:
-            held = self._held.get(key)
-            return None if held is None else replace(held)
+            return None
         state = SessionState(
             decode_worker=fields["decode_worker"],
             l_hist=int(fields["l_hist"]),
@@ -190,6 +197,20 @@ class SessionStore:
             span_id=fields.get("span_id", ""),
         )
 
+    # -- a round's reads, in one round trip (gateway.scripts.OPEN, run by gateway.round_reads) --
+    def open_args(self, scope: str, explicit: str | None, hashes: Sequence[str]) -> tuple[list[str], list[str]]:
+        """OPEN's keys (the conversation keys a session is inferred from, when the client
+        gave no id) and its session arguments."""
+        keys = [] if explicit else [self._conversation(scope, h) for h in hashes[:-1]]
+        return keys, [self._key(scope, ""), self._transcript(scope, ""), explicit or ""]
+
+    def infer(self, keys: Sequence[str], found: Sequence[str | None]) -> str | None:
+        """The session whose stored conversation is the longest proper prefix of the
+        request's messages: ``found`` holds the ids Redis has under ``keys`` (OPEN's
+        conversation keys), each completed by this replica's copy where Redis has none."""
+        ids = [sid or self._held.get(key) for sid, key in zip(found, keys, strict=True)]
+        return next((str(sid) for sid in reversed(ids) if sid), None)
+
     def _transcript(self, scope: str, session_id: str) -> str:
         return f"{self.p}:transcript:{scope}:{session_id}"
 
@@ -198,23 +219,27 @@ class SessionStore:
         pipe: aioredis.client.Pipeline,
         session: Session,
         conversation: Sequence[Mapping[str, Any]],
+        conversation_hash: str,
         transcript: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """Stage the session after an exchange on ``pipe``. ``conversation`` is what the
-        client now holds (its messages and the reply it got); ``transcript``, when the
-        engine saw more (server tool rounds), is the engine's conversation. Sessions
-        without a client-given id become findable by their conversation."""
+        client now holds (its messages and the reply it got), ``conversation_hash`` its
+        last conversation_hashes entry; ``transcript``, when the engine saw more (server
+        tool rounds), is the engine's conversation. Sessions without a client-given id
+        become findable by their conversation."""
         session.conversation_len = len(conversation)
-        session.conversation_hash = conversation_hashes(session.scope, conversation)[-1]
+        session.conversation_hash = conversation_hash
         session.has_transcript = transcript is not None
         key = self._key(session.scope, session.session_id)
-        pipe.hset(key, mapping=session.fields())
+        flat = session.fields()
+        pipe.hset(key, mapping=flat)
         pipe.expire(key, self.ttl_s)
-        self._hold(key, replace(session))
+        self._hold(key, flat)
         transcript_key = self._transcript(session.scope, session.session_id)
         if transcript is not None:
-            pipe.set(transcript_key, json.dumps(list(transcript)), ex=self.ttl_s)
-            self._hold(transcript_key, list(transcript))
+            raw = json.dumps(list(transcript))
+            pipe.set(transcript_key, raw, ex=self.ttl_s)
+            self._hold(transcript_key, raw)
         else:
             pipe.delete(transcript_key)
             self._held.pop(transcript_key, None)
@@ -251,27 +276,17 @@ class SessionStore:
         return [json.loads(r) for r in await self.redis.lrange(self._rounds(scope, session_id), 0, -1)]
 
     async def transcript(self, scope: str, session_id: str) -> list[dict[str, Any]] | None:
-        key = self._transcript(scope, session_id)
         try:
-            raw = await self.redis.get(key)
+            raw = await self.redis.get(self._transcript(scope, session_id))
         except REDIS_DOWN as exc:
             self.health.failed("session", exc)
             raw = None
-        return self._held.get(key) if raw is None else json.loads(raw)
+        return self.parse_transcript(scope, session_id, raw)
 
-    async def infer(self, scope: str, hashes: Sequence[str]) -> str | None:
-        """The session whose stored conversation is the longest proper prefix of the
-        request's messages (``hashes`` = conversation_hashes of them)."""
-        keys = [self._conversation(scope, h) for h in hashes[:-1]]
-        if not keys:
-            return None
-        try:
-            found = await self.redis.mget(keys)
-        except REDIS_DOWN as exc:
-            self.health.failed("session", exc)
-            found = [None] * len(keys)
-        found = [sid or self._held.get(key) for sid, key in zip(found, keys, strict=True)]
-        return next((sid for sid in reversed(found) if sid), None)
+    def parse_transcript(self, scope: str, session_id: str, raw: str | None) -> list[dict[str, Any]] | None:
+        """A session's transcript as Redis has it, else as this replica last wrote it."""
+        raw = raw or self._held.get(self._transcript(scope, session_id))
+        return None if raw is None else json.loads(str(raw))
 
 
 def round_key(request_hash: str, index: int) -> str:

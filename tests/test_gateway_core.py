@@ -421,10 +421,13 @@ def test_canonical_messages_ignore_what_clients_reformat():
 
 def test_hashes_are_chained_and_scoped():
     system = {"role": "system", "content": "You are helpful."}
-    one = conversation_hashes("k1", [system, {"role": "user", "content": "a"}])
+    one_user = {"role": "user", "content": "a"}
+    one = conversation_hashes("k1", [system, one_user])
     two = conversation_hashes("k1", [system, {"role": "user", "content": "b"}])
     assert one[0] == two[0] and one[1] != two[1]  # a shared system prompt is only a shared prefix
     assert conversation_hashes("k2", [system])[0] != one[0]  # another key never sees the same hashes
+    reply = {"role": "assistant", "content": "c"}  # a conversation grown by a reply: one more hash
+    assert conversation_hashes("k1", [reply], after=one[-1]) == conversation_hashes("k1", [system, one_user, reply])[2:]
 
 
 def test_continues_detects_rewritten_history():

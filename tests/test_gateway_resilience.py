@@ -1,8 +1,10 @@
-"""Bindings that outlive gateways and workers, static configuration, back-pressure."""
+"""Bindings that outlive gateways and workers, static configuration, back-pressure, and a
+round's reads of shared state."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -13,14 +15,17 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn_gateway, wait_healthy
-from gateway.core import RoundCore
+from gateway.core import RoundCore, SessionState
 from gateway.leases import LEASE_S
 from gateway.metrics import GatewayMetrics
-from gateway.outage import RedisHealth
+from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.policies import POLICIES
 from gateway.prefill_queue import PrefillQueues
 from gateway.replicas import ALIVE_S, RECONCILE_S
+from gateway.round_reads import RoundReads
 from gateway.routing import PrefillTask
+from gateway.sessions import Session, SessionStore, conversation_hashes, new_session
+from gateway.stats import WindowedStats
 from tests.engines import start_gateway, start_sim_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
 
@@ -193,5 +198,86 @@ def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
             await b.stop()
             await client.aclose()
             cleanup(prefix)
+
+    asyncio.run(scenario())
+
+
+def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_on_its_copy():
+    """A client's round reads its session (inferred from its conversation, or by the id it
+    gave), the session's transcript and the workers' load signals in one Redis command
+    (gateway.scripts.OPEN), seen with MONITOR. Where Redis lost them (restarted empty), or
+    cannot be reached, the replica's own copy of what it wrote last answers instead."""
+
+    prefix = f"open-{uuid.uuid4().hex[:8]}"
+    said = [{"role": "user", "content": "find the flights"}, {"role": "assistant", "content": "which day?"}]
+    transcript = [said[0], {"role": "assistant", "content": "(searched)"}, said[1]]
+    asked = conversation_hashes("public", [*said, {"role": "user", "content": "monday"}])
+
+    def stores(client: aioredis.Redis) -> tuple[SessionStore, RoundReads]:
+        metrics = GatewayMetrics(postponements=lambda: 0)
+        health = RedisHealth(metrics.redis_up, metrics.redis_errors)
+        sessions = SessionStore(client, prefix, 60, health)
+        queues = replica_queues(prefix, "a", client, "ampd")
+        return sessions, RoundReads(client, sessions, queues, WindowedStats(prefix, 10), health)
+
+    async def save(sessions: SessionStore, client: aioredis.Redis, session: Session) -> None:
+        pipe = client.pipeline(transaction=False)
+        sessions.save(pipe, session, said, conversation_hashes("public", said)[-1], transcript)
+        with contextlib.suppress(*REDIS_DOWN):
+            await pipe.execute()
+
+    async def commands_of(client: aioredis.Redis, read) -> list[str]:
+        """The commands this test's client sent while ``read`` ran (not those its scripts ran)."""
+        monitor = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        async with monitor.monitor() as m:
+            await read()
+            await client.echo(f"{prefix}-done")
+            sent = []
+            while True:
+                command = await asyncio.wait_for(m.next_command(), timeout=10)
+                if command["command"] == f"ECHO {prefix}-done":
+                    break
+                if command["client_type"] != "lua" and prefix in command["command"]:
+                    sent.append(command["command"].split()[0])
+        await monitor.aclose()
+        return sent
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        sessions, reads = stores(client)
+        session = new_session("s1", "public", SessionState("w1", l_hist=57, rounds=1), explicit_id=False)
+        try:
+            await save(sessions, client, session)
+            await client.set(f"{prefix}:pqcost:w1", "0.25")
+            await client.zadd(f"{prefix}:inflight:w1", {"t1": time.time() + 60})
+            await client.hset(f"{prefix}:task:t1", "tokens", "300")
+            opened = await reads.read("public", None, asked, ["w1", "w2"])
+            assert opened.session == session and opened.transcript == transcript
+            assert opened.signals.queue_costs == {"w1": 0.25, "w2": 0.0}
+            assert opened.signals.active_tokens == {"w1": 300, "w2": 0}
+            by_id = await reads.read("public", "s1", asked, ["w1"])
+            assert by_id.session == session and by_id.transcript == transcript
+            nobody = await reads.read("public", None, conversation_hashes("public", said[:1]), ["w1"])
+            assert nobody.session is None and nobody.transcript is None
+
+            sent = await commands_of(client, lambda: reads.read("public", None, asked, ["w1", "w2"]))
+            assert sent == ["EVALSHA"], sent
+
+            cleanup(prefix)  # Redis restarted empty: this replica's copy answers
+            assert (await reads.read("public", None, asked, ["w1"])).session == session
+            restarted = await reads.read("public", "s1", asked, ["w1"])
+            assert restarted.session == session and restarted.transcript == transcript
+            assert restarted.signals.queue_costs == {"w1": 0.0}
+        finally:
+            await client.aclose()
+            cleanup(prefix)
+
+        away = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", decode_responses=True)
+        sessions, reads = stores(away)
+        await save(sessions, away, session)
+        opened = await reads.read("public", None, asked, ["w1"])
+        assert opened.session == session and opened.transcript == transcript
+        assert opened.signals.queue_costs == {"w1": 0.0} and opened.signals.means == {}
+        await away.aclose()
 
     asyncio.run(scenario())
