@@ -29,7 +29,7 @@ from redis.backoff import NoBackoff
 
 from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.config import GatewayConfig
-from gateway.core import RoundCore, Signals, signal_series
+from gateway.core import RoundCore
 from gateway.elastic_live import ElasticLoop
 from gateway.exchange import PUBLIC_SCOPE, Exchange
 from gateway.metrics import GatewayMetrics
@@ -248,12 +248,6 @@ class Gateway:
         """Every worker a round of ``model`` could use."""
         return sorted({w.info.worker_id for w in self.pool.decoders(model) + self.pool.prefillers(model, exclude="")})
 
-    async def _signals(self, model: str) -> Signals:
-        """Queued prefill seconds and tokens, and windowed TTFT/ITL, of every worker a round of ``model`` could use."""
-        ids = self._candidates(model)
-        costs, tokens, means = await self.queues.signals(ids, self.stats, signal_series(ids))
-        return Signals(costs, means, tokens)
-
     # -- its rounds -------------------------------------------------------------------------
     async def converse(self, ex: Exchange, first: Round, client: Reply) -> AsyncIterator[bytes]:
         """Run the exchange's rounds; yields the SSE events the client gets and fills
@@ -305,7 +299,7 @@ class Gateway:
         """The tool results are in: their incremental prefill is the next round's task."""
         created, model = time.time(), ex.body["model"]
         l_total, signals = await asyncio.gather(
-            self._count(model, ex.engine_messages, ex.engine_tools), self._signals(model)
+            self._count(model, ex.engine_messages, ex.engine_tools), self.reads.signals(self._candidates(model))
         )
         try:  # the decode worker may have been lost while the tools ran: the session moves on
             bound = self.rounds.bind(ex.session.state, model, l_total)

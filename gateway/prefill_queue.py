@@ -103,8 +103,8 @@ class PrefillQueues:
     ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
         """What routing reads, in one round trip: per worker, estimated seconds of prefill
         queued (Eq. 1-2's queue term) and the prompt tokens of the prefills queued or running
-        there; and the windowed means ``wanted``. A client's round reads them together with
-        its session (gateway.round_reads); a server tool round, here."""
+        there; and the windowed means ``wanted``. A client's round reads them in the same
+        round trip as its session (gateway.round_reads)."""
         ids, wanted = list(worker_ids), list(wanted)
         try:
             flat = await self._signals(args=self.signals_args(ids, stats, wanted))

@@ -54,14 +54,13 @@ class RoundReads:
         wanted = signal_series(worker_ids)
         keys, args = self.sessions.open_args(scope, explicit, hashes)
         try:
-            found, read_id, flat, transcript, loads = await self._open(
+            found, read_id, flat, raw, loads = await self._open(
                 keys=keys, args=[*args, *self.queues.signals_args(worker_ids, self.stats, wanted)]
             )
         except REDIS_DOWN as exc:
             self.health.failed("session", exc)
-            found, read_id, flat, transcript, loads = [None] * len(keys), None, [], None, None
-        costs, tokens, means = self.queues.parse_signals(worker_ids, self.stats, wanted, loads)
-        signals = Signals(costs, means, tokens)
+            found, read_id, flat, raw, loads = [None] * len(keys), None, [], None, None
+        signals = _as_signals(self.queues.parse_signals(worker_ids, self.stats, wanted, loads))
         session_id = explicit or self.sessions.infer(keys, found)
         if session_id is None:
             return Opened(None, None, signals)
@@ -69,8 +68,23 @@ class RoundReads:
             # Only this replica's copy names this session (Redis lost the conversation key):
             # what Redis may still have of it is read on its own.
             session = await self.sessions.load(scope, session_id)
-            has = session is not None and session.has_transcript
-            return Opened(session, await self.sessions.transcript(scope, session_id) if has else None, signals)
-        session = self.sessions.session(scope, session_id, dict(zip(flat[0::2], flat[1::2], strict=True)))
-        has = session is not None and session.has_transcript
-        return Opened(session, self.sessions.parse_transcript(scope, session_id, transcript) if has else None, signals)
+            transcript = await self.sessions.transcript(scope, session_id) if _has(session) else None
+        else:
+            session = self.sessions.session(scope, session_id, dict(zip(flat[0::2], flat[1::2], strict=True)))
+            transcript = self.sessions.parse_transcript(scope, session_id, raw) if _has(session) else None
+        return Opened(session, transcript, signals)
+
+    async def signals(self, worker_ids: list[str]) -> Signals:
+        """The signals alone: a server tool round, whose session is in hand."""
+        return _as_signals(await self.queues.signals(worker_ids, self.stats, signal_series(worker_ids)))
+
+
+def _as_signals(read: tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]) -> Signals:
+    """The prefill queues' (costs, tokens, means) as the round core takes them."""
+    costs, tokens, means = read
+    return Signals(costs, means, tokens)
+
+
+def _has(session: Session | None) -> bool:
+    """Whether the session has a transcript to read."""
+    return session is not None and session.has_transcript
