@@ -13,7 +13,9 @@ Keys (``{p}`` is the deployment prefix, ``{w}`` a worker id, ``{r}`` a replica i
   ``{p}:transcript:{scope}:{session}`` - the engine's conversation, JSON, when it differs;
   ``{p}:conversation:{scope}:{hash}`` - the session a conversation belongs to (gateway.sessions)
 * ``{p}:rounds:{scope}:{session}`` - a session's round records, JSON, oldest first (gateway.sessions)
-* ``{p}:stat:{series}:{w}:{second}`` - hash: sum, n of one second's observations (gateway.stats)
+* ``{p}:stat:{series}:{w}`` - hash: the window's running sum and count (``sum``, ``n``), the
+  oldest second they hold (``from``), and each second's own (``s{second}``, ``n{second}``)
+  until it leaves the window (gateway.stats)
 * ``{p}:role:{w}`` - hash: role, since, draining of an engine; ``{p}:elastic:leader`` - the
   lease of the replica whose controller moves engines (gateway.role_store);
   ``{p}:demand:{interval}`` - hash: rounds arrived with their prefill and context tokens,
@@ -80,13 +82,47 @@ redis.call('DECRBY', KEYS[4], tonumber(redis.call('HGET', ARGV[6] .. ARGV[4], 't
 return 1
 """
 
+# A windowed statistic's running sum and count, moved on to the window of ``width`` seconds that
+# starts at second ``first``: the seconds before it are subtracted and dropped. Every write first
+# moves the window to its own second, so the seconds held lie in [from, from + width - 1] and a
+# move walks at most a window's worth; a move past all of them empties the key. Returns the sum
+# and count; a missing key is an empty window and is not created. O(1) per read, amortised,
+# where summing a bucket per second cost a window's worth of reads per (series, worker).
+_WINDOW = """
+local function window(key, first, width)
+  local head = redis.call('HMGET', key, 'from', 'sum', 'n')
+  if not head[1] then return 0, 0 end
+  local from, total, count = tonumber(head[1]), tonumber(head[2]), tonumber(head[3])
+  if from >= first then return total, count end
+  if first >= from + width then
+    redis.call('DEL', key)
+    return 0, 0
+  end
+  local gone = {}
+  for s = from, first - 1 do
+    local b = redis.call('HMGET', key, 's' .. s, 'n' .. s)
+    if b[2] then
+      total, count = total - tonumber(b[1]), count - tonumber(b[2])
+      table.insert(gone, 's' .. s)
+      table.insert(gone, 'n' .. s)
+    end
+  end
+  if count <= 0 then total, count = 0, 0 end
+  if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
+  redis.call('HSET', key, 'from', first, 'sum', string.format('%.17g', total), 'n', count)
+  return total, count
+end
+"""
+
 # What a round's routing reads, as a Lua function of where its arguments start in ARGV
 # (``a``: 0 for SIGNALS, after the session's arguments for OPEN). ARGV from a + 1: key
 # prefix, now, n, the n worker ids, stat key prefix, first second, window, then (series,
 # worker) pairs. Returns, per worker: seconds of prefill queued (a string: a float), prompt
 # tokens queued, and prompt tokens of the prefills holding its slots (lapsed leases not
 # counted); then, per pair, the windowed sum (a string) and count.
-_SIGNALS = """
+_SIGNALS = (
+    _WINDOW
+    + """
 local function signals(a)
   local out = {}
   local n = tonumber(ARGV[a + 3])
@@ -100,19 +136,16 @@ local function signals(a)
     end
     table.insert(out, running)
   end
-  local prefix, first, window = ARGV[a + 4 + n], tonumber(ARGV[a + 5 + n]), tonumber(ARGV[a + 6 + n])
+  local prefix, first, width = ARGV[a + 4 + n], tonumber(ARGV[a + 5 + n]), tonumber(ARGV[a + 6 + n])
   for i = a + 7 + n, #ARGV, 2 do
-    local total, count = 0, 0
-    for s = first, first + window - 1 do
-      local v = redis.call('HMGET', prefix .. ARGV[i] .. ':' .. ARGV[i + 1] .. ':' .. s, 'sum', 'n')
-      if v[2] then total = total + tonumber(v[1]); count = count + tonumber(v[2]) end
-    end
-    table.insert(out, tostring(total))
+    local total, count = window(prefix .. ARGV[i] .. ':' .. ARGV[i + 1], first, width)
+    table.insert(out, string.format('%.17g', total))
     table.insert(out, count)
   end
   return out
 end
 """
+)
 
 # The load signals alone (a server tool round, whose session is in hand; the elastic loop).
 SIGNALS = _SIGNALS + "return signals(0)\n"
@@ -170,16 +203,33 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return 1
 """
 
-# Add a round's observations to their one-second buckets: one command instead of three per
-# observation. ARGV: ttl, then (bucket key, total, count) triples.
-OBSERVE = """
-for i = 2, #ARGV, 3 do
-  redis.call('HINCRBYFLOAT', ARGV[i], 'sum', ARGV[i + 1])
-  redis.call('HINCRBY', ARGV[i], 'n', ARGV[i + 2])
-  redis.call('EXPIRE', ARGV[i], ARGV[1])
+# Add a round's observations to their statistics' running windows: one command instead of
+# several per observation. Each window is first moved on to the observation's second; an
+# observation older than the window a reader has already moved to (a replica whose clock lags)
+# is dropped. ARGV: window seconds, ttl, then (key, second, total, count) quadruples.
+OBSERVE = (
+    _WINDOW
+    + """
+local width = tonumber(ARGV[1])
+for i = 3, #ARGV, 4 do
+  local key, second = ARGV[i], tonumber(ARGV[i + 1])
+  window(key, second - width + 1, width)
+  local from = tonumber(redis.call('HGET', key, 'from'))
+  if not from then
+    from = second - width + 1
+    redis.call('HSET', key, 'from', from, 'sum', 0, 'n', 0)
+  end
+  if second >= from then
+    redis.call('HINCRBYFLOAT', key, 's' .. second, ARGV[i + 2])
+    redis.call('HINCRBY', key, 'n' .. second, ARGV[i + 3])
+    redis.call('HINCRBYFLOAT', key, 'sum', ARGV[i + 2])
+    redis.call('HINCRBY', key, 'n', ARGV[i + 3])
+    redis.call('EXPIRE', key, ARGV[2])
+  end
 end
 return 0
 """
+)
 
 # Take or keep a lease. KEYS: lease. ARGV: holder, ttl in ms. Returns 1 if the holder has it.
 LEASE = """

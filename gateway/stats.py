@@ -2,9 +2,11 @@
 
 AMPD ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 3)
 keeps, per worker, the mean TTFT and ITL over the last 10 s in shared memory so that
-routing sees the whole system. Here each observation is added to a one-second bucket
-(a Redis hash with a sum and a count that expires after the window); the windowed mean
-is the sum over the window's buckets divided by their count. A round contributes its
+routing sees the whole system. Here each (series, worker) is one Redis hash holding the
+window's running sum and count beside each second's own; a read moves the window on to
+its second, subtracting the seconds that left it (gateway.scripts: ``_WINDOW``), so a
+mean costs Redis one hash read however long the window - a planned cluster's round reads
+every prefill worker's mean. The windowed mean is the running sum over the running count. A round contributes its
 TTFT once and its ITL as (sum of gaps, number of gaps), so the ITL mean is over tokens,
 not rounds. Every request reads the statistics, so the read is one server-side script;
 writes ride along with the round's other writes. :class:`WindowedMeans` is the same
@@ -51,9 +53,9 @@ class WindowedStats:
         args: list[object] = []
         for o in observations:
             if o.count > 0:
-                args += [f"{self.prefix}{o.series}:{o.worker_id}:{second}", repr(float(o.total)), o.count]
+                args += [f"{self.prefix}{o.series}:{o.worker_id}", second, repr(float(o.total)), o.count]
         if args:  # EVAL, not EVALSHA: see gateway.sessions.SessionStore.record_round
-            pipe.eval(scripts.OBSERVE, 0, self.window_s + 2, *args)
+            pipe.eval(scripts.OBSERVE, 0, self.window_s, self.window_s + 2, *args)
 
     def means_args(self, wanted: list[tuple[str, str]], now: float | None = None) -> list[object]:
         """The windowed means' part of SIGNALS's arguments (gateway.scripts)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -281,3 +282,73 @@ def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_
         await away.aclose()
 
     asyncio.run(scenario())
+
+
+def test_windowed_means_in_redis_are_running_sums_that_match_the_simulators():
+    """The windowed TTFT/ITL means every round reads (gateway.scripts: ``_WINDOW``): random
+    observations and reads in time order give the simulator's in-memory means (gateway.stats.
+    WindowedMeans) to 1e-9; a read costs Redis one hash read per (series, worker) whatever
+    the window's length (seen with MONITOR); an observation older than the window a reader
+    moved to is dropped; a window left idle empties and its key goes away."""
+    from gateway import scripts
+    from gateway.core import ITL, TTFT_REMOTE, Observation
+    from gateway.stats import WindowedMeans
+
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    rng = random.Random(7)
+    start = 1_800_000_000.0
+
+    def read(stats: WindowedStats, wanted: list[tuple[str, str]], now: float) -> dict[tuple[str, str], float]:
+        flat = client.eval(scripts.SIGNALS, 0, "none", now, 0, *stats.means_args(wanted, now))
+        return stats.parse_means(wanted, flat)
+
+    def observe(stats: WindowedStats, observations: list[Observation], now: float) -> None:
+        pipe = client.pipeline(transaction=False)
+        stats.record(pipe, observations, now)
+        pipe.execute()
+
+    for window in (3, 10):
+        prefix = f"window-{window}-{uuid.uuid4().hex[:8]}"
+        stats, memory = WindowedStats(prefix, window), WindowedMeans(window)
+        wanted = [(TTFT_REMOTE, "p1"), (TTFT_REMOTE, "p2"), (ITL, "d1")]
+        try:
+            now = start
+            for _ in range(400):
+                now += rng.choice([0.05, 0.3, 0.9, 2.5, window * 0.7, window + 3.0])
+                if rng.random() < 0.6:
+                    series, worker = rng.choice(wanted)
+                    o = Observation(series, worker, rng.uniform(0.001, 2.0), rng.randint(1, 40))
+                    observe(stats, [o], now)
+                    memory.record(o, now)
+                got = read(stats, wanted, now)
+                expected = {k: v for k in wanted if (v := memory.mean(*k, now)) is not None}
+                assert got.keys() == expected.keys(), (now - start, got, expected)
+                for k, v in expected.items():
+                    assert abs(got[k] - v) <= 1e-9 * v, (k, got[k], v)
+            assert all(0 < client.ttl(k) <= window + 2 for k in client.scan_iter(match=f"{prefix}:*"))
+
+            # One HMGET per mean once the window has moved on this second, however long it is.
+            read(stats, wanted, now)
+            with client.monitor() as m:
+                read(stats, wanted, now)
+                client.echo(f"{prefix}-done")
+                commands = []
+                for command in m.listen():
+                    if command["command"] == f"ECHO {prefix}-done":
+                        break
+                    if command["client_type"] == "lua":
+                        commands.append(command["command"].split()[0])
+            assert commands == ["HMGET"] * len(wanted), commands
+
+            # A replica whose clock lags a window behind the readers: its observation is dropped.
+            lagging = Observation(ITL, "d1", 100.0, 1)
+            before = read(stats, wanted, now).get((ITL, "d1"))
+            observe(stats, [lagging], now - window - 1)
+            assert read(stats, wanted, now).get((ITL, "d1")) == before
+
+            # Idle past the window: empty, and the keys are gone.
+            assert read(stats, wanted, now + window + 1) == {}
+            assert list(client.scan_iter(match=f"{prefix}:*")) == []
+        finally:
+            cleanup(prefix)
+    client.close()

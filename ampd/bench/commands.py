@@ -414,3 +414,18 @@ def bench_ilp(
 
     console.width = max(console.width, 110)  # the table's width; a pipe would otherwise get 80 columns
     raise typer.Exit(run_ilp_bench(console, repeats, out))
+
+
+@bench_app.command("signals")
+def bench_signals(
+    levels: Annotated[str, typer.Option(help="prefill workers in the pool, comma-separated")] = "2,16,64,256",
+    rounds: Annotated[int, typer.Option(help="rounds measured at each level")] = 3_000,
+    rate: Annotated[float, typer.Option(help="rounds per (virtual) second")] = 150.0,
+    window_s: Annotated[int, typer.Option(help="the statistics' window")] = 10,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """Redis's time per round on the windowed TTFT/ITL statistics, by the pool's size."""
+    from ampd.bench.signals import run_signals_bench
+
+    level_list = [int(x) for x in levels.split(",")]
+    raise typer.Exit(run_signals_bench(console, level_list, rounds, rate, window_s, out))
