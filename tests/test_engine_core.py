@@ -291,3 +291,35 @@ def test_failed_remote_load_can_be_recomputed_locally():
     assert step.prefills == [(r, 40)]
     run(s, 1.0, check=assert_kv_consistent)
     assert r.output_token_ids == r.output_plan and s.kv.num_free_blocks == 64
+
+
+def test_a_request_handed_over_mid_decode_continues_from_the_kv_of_its_first_tokens():
+    """DynaServe's split inside the decode phase, as vLLM's connector expresses it
+    (tests/test_vllm_mid_decode.py): alpha, a prefill request allowed d tokens, holds the KV
+    of the prompt and its first d - 1 tokens; beta's prompt is the prompt plus alpha's d
+    tokens, it pulls the held KV and computes only alpha's last token before it decodes on.
+    The answer is the one plan, the held blocks hold exactly the tokens their KV is of."""
+    config = SchedulerConfig(num_blocks=64, block_size=16)
+    a, b = Scheduler(PROFILE, config), Scheduler(PROFILE, config)
+    prompt, plan = tokens(40), [1000 + i for i in range(11)] + [EOS_ID]
+    d = 5
+    alpha = Request("alpha", prompt, plan, d, 0.0, do_remote_decode=True)
+    a.add_request(alpha)
+    run(a)
+    assert alpha.status == RequestStatus.FINISHED_LENGTH and alpha.output_token_ids == plan[:d]
+    held = a.held["alpha"].block_ids
+    assert len(held) == 3 and alpha.num_computed_tokens == 40 + d - 1
+    assert a.read_held("alpha", held) == [prompt[:16], prompt[16:32], [*prompt[32:], *plan[: d - 1]]]
+
+    remote = RemotePrefill("engine-a", "127.0.0.1", 1, "alpha", tuple(held), num_tokens=alpha.num_computed_tokens)
+    beta = Request("beta", prompt + plan[:d], plan[d:], len(plan) - d, 0.0, remote_prefill=remote)
+    b.add_request(beta)
+    step = b.schedule(1.0)
+    (load,) = step.kv_loads
+    assert load.remote_block_ids == held and (load.first_token, load.end_token) == (0, 40 + d - 1)
+    b.finish_kv_load("beta", ok=True)
+    a.release_transfer("alpha")
+    step = b.schedule(2.0)
+    assert step.prefills == [(beta, 1)]  # alpha's last token: its KV was never computed
+    run(b, 2.0, check=assert_kv_consistent)
+    assert alpha.output_token_ids + beta.output_token_ids == plan

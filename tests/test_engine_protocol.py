@@ -333,6 +333,19 @@ def test_prefill_returns_nixl_transfer_params(pd_pair):
     assert len(blocks) == -(-body["usage"]["prompt_tokens"] // prefill.block_size)
 
 
+def test_a_prefill_allowed_more_tokens_holds_the_kv_of_its_output_too(pd_pair):
+    """A hand-off mid-decode (DynaServe's alpha; tests/test_vllm_mid_decode.py): a prefill
+    request allowed d tokens answers with d tokens and holds the KV of the prompt and its
+    first d - 1 (the last has none yet), in as many blocks as those tokens fill."""
+    prefill, _ = pd_pair
+    d = 5
+    body = chat(prefill, messages=USER, max_tokens=d, ignore_eos=True, kv_transfer_params=NIXL_PARAMS).json()
+    params, usage = body["kv_transfer_params"], body["usage"]
+    assert usage["completion_tokens"] == d
+    assert params["remote_num_tokens"] == usage["prompt_tokens"] + d - 1
+    assert len(params["remote_block_ids"][0]) == -(-params["remote_num_tokens"] // prefill.block_size)
+
+
 def test_handoff_round_two_pulls_only_missing_blocks(pd_pair):
     prefill, decode = pd_pair
     block = decode.block_size

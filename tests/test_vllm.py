@@ -72,15 +72,17 @@ def failure_context() -> str:
     return "\n".join(parts)
 
 
-def start_vllm_worker(tmp: Path, model_dir: Path, name: str, prefix: str, *options: str) -> Engine:
+def start_vllm_worker(
+    tmp: Path, model_dir: Path, name: str, prefix: str, *options: str, vllm_args: tuple[str, ...] = VLLM_ARGS
+) -> Engine:
     """An engine registered as `both`: its role is what Redis says (``set_roles``).
-    ``options`` go to `ampd worker vllm` (``--tp 2``)."""
+    ``options`` go to `ampd worker vllm` (``--tp 2``), ``vllm_args`` to vLLM."""
     port = free_port()
     command = [
         "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both", *options,
         "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
         "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-        "--ready-timeout", str(READY_TIMEOUT_S), "--", *VLLM_ARGS,
+        "--ready-timeout", str(READY_TIMEOUT_S), "--", *vllm_args,
     ]  # fmt: skip
     log = tmp / f"vllm-{name}.log"
     _logs.append(log)
@@ -218,6 +220,9 @@ test_content_parts_are_read_as_vllm_reads_them = protocol.test_content_parts_are
 test_malformed_json_is_a_400 = protocol.test_malformed_json_is_a_400
 test_client_disconnect_aborts_and_frees_kv = protocol.test_client_disconnect_aborts_and_frees_kv
 test_prefill_returns_nixl_transfer_params = protocol.test_prefill_returns_nixl_transfer_params
+test_a_prefill_allowed_more_tokens_holds_the_kv_of_its_output_too = (
+    protocol.test_a_prefill_allowed_more_tokens_holds_the_kv_of_its_output_too
+)
 test_handoff_round_two_pulls_only_missing_blocks = protocol.test_handoff_round_two_pulls_only_missing_blocks
 test_stale_transfer_params_leave_the_decoder_healthy = protocol.test_stale_transfer_params_leave_the_decoder_healthy
 

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.bench.gateway import percentile_ms
+from ampd.bench.overhead import cpu_seconds
 from ampd.bench.replay import TOOL, agent_client, stream_round, words
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
@@ -66,6 +67,8 @@ class ArmRecord:
     """What one run saw, appended to by every agent (one event loop: no locks)."""
 
     ttft_s: list[float] = field(default_factory=list)
+    sent_s: list[float] = field(default_factory=list)  # when each of those rounds was sent, from ``started``
+    started: float = field(default_factory=time.perf_counter)
     rounds_ok: int = 0
     sessions: int = 0
     errors: Counter[str] = field(default_factory=Counter)
@@ -88,6 +91,17 @@ class ArmResult:
     lost_rounds: int = 0
     duplicated_rounds: int = 0
     unverified_sessions: int = 0
+    by_minute: list[dict] = field(default_factory=list)  # rounds sent in each minute, their TTFT p50 / p99
+
+
+def by_minute(record: ArmRecord) -> list[dict]:
+    """The rounds sent in each minute of the run and their TTFT p50 / p99: whether the
+    latency grows with the run's length or is the same from the start."""
+    minutes: dict[int, list[float]] = {}
+    for sent, ttft in zip(record.sent_s, record.ttft_s, strict=True):
+        minutes.setdefault(int(sent // 60), []).append(ttft)
+    return [{"minute": m, "rounds": len(v), "ttft_p50_ms": percentile_ms(v, 0.5), "ttft_p99_ms": percentile_ms(v, 0.99)}
+            for m, v in sorted(minutes.items())]  # fmt: skip
 
 
 def summarise(arm: str, record: ArmRecord, seconds: float) -> ArmResult:
@@ -97,7 +111,7 @@ def summarise(arm: str, record: ArmRecord, seconds: float) -> ArmResult:
         failed / max(1, failed + record.rounds_ok),
         percentile_ms(record.ttft_s, 0.5) if record.ttft_s else float("nan"),
         percentile_ms(record.ttft_s, 0.99) if record.ttft_s else float("nan"),
-        record.lost_rounds, record.duplicated_rounds, record.unverified_sessions,
+        record.lost_rounds, record.duplicated_rounds, record.unverified_sessions, by_minute(record),
     )  # fmt: skip
 
 
@@ -129,6 +143,7 @@ async def _session(
             record.errors["no tokens"] += 1
             break
         record.ttft_s.append(got.first_token - got.sent)
+        record.sent_s.append(got.sent - record.started)
         record.rounds_ok += 1
         messages.append(got.message)
         if k + 1 == shape.rounds:
@@ -156,7 +171,7 @@ async def run_agents(
     """``agents`` closed-loop agents for ``seconds``; ``route`` gives a session's base URL.
     Sessions under way when the time is up finish. Returns the record and the wall time."""
     record = ArmRecord()
-    started = time.perf_counter()
+    started = record.started
     deadline = started + seconds
 
     async def agent(i: int, client: aiohttp.ClientSession) -> None:
@@ -180,10 +195,15 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-async def _sample_rss(pid: int, every_s: float, samples: list[tuple[float, float]], stop: asyncio.Event) -> None:
+async def _sample(
+    pid: int, every_s: float, samples: list[tuple[float, float]], cpu: list[tuple[float, float]], stop: asyncio.Event
+) -> None:
+    """The gateway's RSS (MiB) and CPU seconds used so far, every ``every_s``."""
     started = time.perf_counter()
     while not stop.is_set():
-        samples.append((time.perf_counter() - started, rss_mib(pid)))
+        now = time.perf_counter() - started
+        samples.append((now, rss_mib(pid)))
+        cpu.append((now, cpu_seconds(pid)))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
 
@@ -216,6 +236,7 @@ def run_load_bench(
     gateway = spawn_gateway("gateway", free_port(), options, log=state / "gateway.log")
     ramp_s = min(30.0, minutes * 60 / 4)
     samples: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float]] = []
     try:
         if wait_healthy(workers) or wait_healthy([gateway], path="/readyz"):
             raise RuntimeError(f"a worker or the gateway did not start; logs in {state}")
@@ -231,7 +252,7 @@ def run_load_bench(
 
         async def through_gateway() -> tuple[ArmRecord, float]:
             stop = asyncio.Event()
-            sampler = asyncio.create_task(_sample_rss(gateway.process.pid, 5.0, samples, stop))
+            sampler = asyncio.create_task(_sample(gateway.process.pid, 5.0, samples, cpu, stop))
             try:
                 return await run_agents(lambda _: gateway.url, model, agents, minutes * 60, ramp_s, shape,
                                         verify=True, seed=2)  # fmt: skip
@@ -249,6 +270,9 @@ def run_load_bench(
         redis_handle.stop()
 
     arms = [summarise("direct", direct, direct_s), summarise("gateway", via, via_s)]
+    for minute in arms[1].by_minute:  # the gateway's CPU per round, minute by minute
+        used = [c for t, c in cpu if minute["minute"] * 60 <= t <= (minute["minute"] + 1) * 60]
+        minute["cpu_ms_per_round"] = (used[-1] - used[0]) * 1000 / minute["rounds"] if len(used) > 1 else None
     steady = [mib for t, mib in samples if t >= ramp_s]
     report = {
         "agents": agents, "minutes": minutes, "baseline_minutes": baseline_minutes, "speed": speed,
@@ -283,3 +307,8 @@ def print_report(console: Console, report: dict, arms: Sequence[ArmResult]) -> N
     for a in arms:
         for kind, n in a.errors.items():
             console.print(f"  {a.arm} error x{n}: {kind}")
+    minutes = Table("minute", "rounds", "TTFT p50 / p99", "CPU per round", title="Through the gateway, by minute")
+    for m in arms[1].by_minute:
+        cpu = "-" if m.get("cpu_ms_per_round") is None else f"{m['cpu_ms_per_round']:.2f} ms"
+        minutes.add_row(str(m["minute"]), str(m["rounds"]), f"{m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} ms", cpu)
+    console.print(minutes)

@@ -193,7 +193,7 @@ class AsyncEngine:
             blocks = await self.side_channel.read(peer, remote.request_id, load.remote_block_ids)
             for k, tokens in enumerate(blocks):
                 begin = load.first_token + k * size
-                if tokens != request.prompt_token_ids[begin : begin + size]:
+                if tokens != request.prompt_token_ids[begin : min(begin + size, load.end_token)]:
                     raise TransferError(f"block {load.remote_block_ids[k]} does not hold this prompt's tokens")
             modelled = t_kv(load.num_tokens, peer.profile, self.profile) / self.speed
             remaining = modelled - (loop.time() - started)

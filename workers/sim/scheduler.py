@@ -110,7 +110,7 @@ class RequestOutput:
 @dataclass
 class _Hold:
     block_ids: list[int]
-    prompt_token_ids: list[int]
+    token_ids: list[int]  # those whose KV the blocks hold: the prompt, and any output but the last token
     expires_at: float
 
 
@@ -336,7 +336,7 @@ class Scheduler:
         position = {b: i for i, b in enumerate(hold.block_ids)}
         if any(b not in position for b in block_ids):
             return None
-        return [hold.prompt_token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
+        return [hold.token_ids[position[b] * size : (position[b] + 1) * size] for b in block_ids]
 
     # -- internals ---------------------------------------------------------------
     def _chunk(self, remaining: int, budget: int, step: Step, context: int, decoding: list[int]) -> int:
@@ -467,9 +467,8 @@ class Scheduler:
         self.running.remove(request)
         self.requests.pop(request.request_id, None)
         if request.do_remote_decode:
-            self.held[request.request_id] = _Hold(
-                request.block_ids, request.prompt_token_ids, now + self.config.transfer_hold_s
-            )
+            computed = request.token_ids[: request.num_computed_tokens]
+            self.held[request.request_id] = _Hold(request.block_ids, computed, now + self.config.transfer_hold_s)
             held = tuple(request.block_ids)
             request.block_ids = []
             return RequestOutput(request, tokens, finished=True, held_block_ids=held)

@@ -188,8 +188,10 @@ class SimWorker:
         if not held:
             return None
         c = self.config
+        # As vLLM's connector: the tokens whose KV the blocks hold - the prompt, and a request allowed
+        # more than one token also its output but the last (a hand-off mid-decode, DynaServe's alpha).
         return pull_params(c.engine_id, request.request_id, c.advertise_host, c.port, list(held),
-                           request.num_prompt_tokens, c.profile.tp)  # fmt: skip
+                           request.num_computed_tokens, c.profile.tp)  # fmt: skip
 
     def usage(self, stream: RequestStream, completion_tokens: int) -> p.Usage:
         request = stream.request

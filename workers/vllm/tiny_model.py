@@ -7,7 +7,13 @@ renders tools, tool calls and tool results, and the ``<tool_call>`` markers vLLM
 hermes tool parser looks for. The text it writes is noise; scheduling, paged KV,
 prefix caching, NIXL transfers, ``/tokenize`` and ``/metrics`` are vLLM's own.
 
-    python -m workers.vllm.tiny_model OUT_DIR   (needs the `tokenizers` package)
+    python -m workers.vllm.tiny_model OUT_DIR [--weights]   (needs the `tokenizers` package)
+
+With ``--weights`` it also writes random weights of its own (seeded, larger than
+vLLM's dummy ones) to ``model.safetensors``, for tests whose check is what the model
+says: vLLM's dummy weights are so small that its greedy answer hardly depends on the
+prompt, so a test could not tell KV that holds the prompt from KV that does not.
+Those need torch and transformers (vLLM's environment has both).
 
 Sizes are the smallest the CPU attention kernel accepts (head_dim 64).
 """
@@ -97,5 +103,22 @@ def build(out: Path, vocab_size: int = 512, layers: int = 2) -> Path:
     return out
 
 
+def write_weights(out: Path, seed: int = 0, std: float = 0.2) -> Path:
+    """Seeded random weights for the model ``build`` wrote to ``out``, as vLLM loads them."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig.from_pretrained(out)
+    config.initializer_range = std
+    model = LlamaForCausalLM(config)
+    path = out / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path), metadata={"format": "pt"})
+    return path
+
+
 if __name__ == "__main__":
     print(build(Path(sys.argv[1])))
+    if "--weights" in sys.argv[2:]:
+        print(write_weights(Path(sys.argv[1])))
