@@ -232,7 +232,7 @@ class Gateway:
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
             if self.pool.sim_engine(worker):
-                counted = sim_prompt_tokens(model, messages, tools)
+                counted = sim_prompt_tokens(messages, tools)
                 if counted is not None:  # else the engine refuses the prompt: its error is the client's
                     return counted
             try:

@@ -10,22 +10,79 @@ the three steps its ``/tokenize`` takes, so the count is the engine's by constru
 (tests/test_gateway.py checks it against ``/tokenize``). An engine the gateway does not
 know how to count for (vLLM: its model's tokenizer and chat template) is still asked.
 
+The count is made per message and remembered by the message's digest: the engine's
+template renders each message on its own between special tokens, which its tokenizer
+splits on first, so a prompt's count is the sum of its messages' (and its tools') plus
+the fixed start and generation prompt (workers.sim.tokenizer: compositional at message
+boundaries). A session's next round then validates, renders and tokenizes only what is
+new, not its whole history again.
+
 An engine is known by what its ``GET /version`` says, asked once when the pool first
 sees it (gateway.pool).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
-from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, EngineError, TokenizeChatRequest, message_dicts
+from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, EngineError, Message, Tool, message_dicts
 from workers.sim.tokenizer import Tokenizer, render_chat
 
 SIM_ENGINE = "ampd-sim"  # what the pool calls an engine whose count the gateway can make itself
 # Pieces do not depend on the vocabulary (ids do, and are not needed): any size will do.
 _TOKENIZER = Tokenizer(vocab_size=1 << 16)
+_REMEMBERED = 1 << 16  # counts kept per kind (a digest and an int each) before starting afresh
+
+
+def _pieces(text: str) -> int:
+    return len(_TOKENIZER.pieces(text))
+
+
+_FRAME = _pieces(render_chat([], None))  # the start of text and the generation prompt
+_START = _pieces(render_chat([], None, add_generation_prompt=False))
+
+
+def _message(raw: dict[str, Any]) -> int:
+    """One message's tokens as the engine renders it; raises where the engine refuses it."""
+    return _pieces(render_chat(message_dicts([Message.model_validate(raw)]), None, False)) - _START
+
+
+def _tools(raw: list[dict[str, Any]]) -> int:
+    """The tools block's tokens; raises where the engine refuses the tools."""
+    tools = [Tool.model_validate(t).model_dump(exclude_none=True) for t in raw]
+    return _pieces(render_chat([], tools, False)) - _START
+
+
+class _Remembered:
+    """Counts by the digest of what was counted; None for what the engine refuses."""
+
+    def __init__(self, count: Callable[[Any], int]) -> None:
+        self.count, self.known = count, dict[bytes, int | None]()
+
+    def __call__(self, item: Any) -> int | None:
+        try:
+            key = hashlib.blake2b(orjson.dumps(item), digest_size=16).digest()
+        except orjson.JSONEncodeError:  # what orjson cannot write (an integer past 64 bits): not remembered
+            return self._count(item)
+        if key not in self.known:
+            if len(self.known) >= _REMEMBERED:
+                self.known.clear()
+            self.known[key] = self._count(item)
+        return self.known[key]
+
+    def _count(self, item: Any) -> int | None:
+        try:
+            return self.count(item)
+        except (ValidationError, ValueError, EngineError):
+            return None
+
+
+_MESSAGE, _TOOLS = _Remembered(_message), _Remembered(_tools)
 
 
 def engine_kind(version: dict[str, Any]) -> str | None:
@@ -34,21 +91,15 @@ def engine_kind(version: dict[str, Any]) -> str | None:
     return SIM_ENGINE if str(version.get("version", "")).startswith(SYSTEM_FINGERPRINT_PREFIX) else None
 
 
-def sim_prompt_tokens(model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
+def sim_prompt_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
     """The GPU-free engine's ``/tokenize`` count of a chat prompt, or None where the engine
     would refuse it: the caller then asks the engine, whose answer (the error, in its words)
     is the one the client must get."""
-    body: dict[str, Any] = {"model": model, "messages": messages}
-    if tools:
-        body["tools"] = tools
-    try:
-        chat = TokenizeChatRequest.model_validate(body)
-        text = render_chat(
-            message_dicts(chat.messages),
-            [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None,
-            chat.add_generation_prompt,
-            chat.continue_final_message,
-        )
-    except (ValidationError, ValueError, EngineError):
+    if not messages:  # the engine's 400 (workers.sim.protocol.message_dicts)
         return None
-    return len(_TOKENIZER.pieces(text))
+    total = _FRAME
+    for counted in (_TOOLS(tools) if tools else 0, *map(_MESSAGE, messages)):
+        if counted is None:
+            return None
+        total += counted
+    return total

@@ -85,3 +85,15 @@ def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     assert data["failures"] == {} and "| 3 | ampd |" in (tmp_path / "o.md").read_text()
     wrong = subprocess.run([*command[:5], "--arms", "direct,nginx"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "unknown arms" in wrong.stdout
+
+
+def test_the_statistics_bench_runs_on_a_redis_of_its_own(tmp_path):
+    """`ampd bench signals`: Redis's time per round on the windowed statistics, read off a
+    private server's INFO commandstats, one mean read per pool member plus the decode's."""
+    command = [sys.executable, "-m", "ampd.cli", "bench", "signals", "--levels", "2,16", "--rounds", "300",
+               "--out", str(tmp_path / "s.json")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    levels = json.loads((tmp_path / "s.json").read_text())["levels"]
+    assert [(n, x["means"]) for n, x in levels.items()] == [("2", 3), ("16", 17)]
+    assert all(x["read_us"] > 0 and x["write_us"] > 0 for x in levels.values())

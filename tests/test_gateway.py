@@ -320,11 +320,11 @@ def test_prompts_are_counted_in_the_gateway_as_the_engine_counts_them(stack):
     for messages, tools in conversations:
         asked = {"model": MODEL, "messages": messages, **({"tools": tools} if tools else {})}
         engine = httpx.post(f"{stack.decode.url}/tokenize", json=asked, timeout=30).json()["count"]
-        assert sim_prompt_tokens(MODEL, messages, tools) == engine
+        assert sim_prompt_tokens(messages, tools) == engine
         reply = httpx.post(f"{stack.url}/v1/chat/completions", json={**asked, "max_tokens": 2}, timeout=30).json()
         assert reply["usage"]["prompt_tokens"] == engine
     # A prompt the engine refuses is not counted here: the engine's words reach the client.
-    assert sim_prompt_tokens(MODEL, [], None) is None
+    assert sim_prompt_tokens([], None) is None
 
 
 def test_a_retried_request_is_recorded_once(stack):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -123,3 +124,55 @@ def test_ignore_eos_generates_exactly_max_tokens():
     messages = [{"role": "user", "content": "hi"}]
     reply = reply_for(messages, tool_choice="none", length=Length(max_tokens=50, ignore_eos=True))[1]
     assert len(reply.token_ids) == 50 and EOS_ID not in reply.token_ids
+
+
+def test_the_gateway_counts_a_prompt_message_by_message_as_the_engine_counts_it_whole():
+    """gateway.tokens counts each message (and the tools) once and sums: equal to the
+    engine's ``/tokenize`` path over the whole prompt (its request model, template and
+    tokenizer) for random conversations - special tokens, odd whitespace, content parts,
+    tool calls - and None wherever the engine refuses the request."""
+    from pydantic import ValidationError
+
+    from gateway.tokens import sim_prompt_tokens
+    from workers.sim.protocol import EngineError, TokenizeChatRequest, message_dicts
+
+    def engine(messages: list, tools: list | None) -> int | None:
+        try:
+            chat = TokenizeChatRequest.model_validate({"model": "m", "messages": messages, "tools": tools or None})
+            text = render_chat(message_dicts(chat.messages), [t.model_dump(exclude_none=True) for t in chat.tools]
+                               if chat.tools else None)  # fmt: skip
+        except (ValidationError, ValueError, EngineError):
+            return None
+        return len(Tokenizer(1 << 16).pieces(text))
+
+    rng = random.Random(3)
+    words = ["hi", " there", "\n\n", "  ", "<|end|>", "<tool_call>", "東京", "1.5e3", "a_b", "\t", "!", "x" * 40]
+
+    def text() -> str:
+        return "".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
+
+    def message() -> dict:
+        role = rng.choice(["system", "user", "assistant", "tool", "custom"])
+        m: dict = {"role": role, "content": text()}
+        shape = rng.random()
+        if shape < 0.15:
+            m["content"] = [{"type": "text", "text": text()}, {"type": "text", "text": None}]
+        elif shape < 0.2:
+            m["content"] = [{"text": text()}]  # no type: the engine refuses it
+        elif shape < 0.25:
+            m["role"] = 7  # not a string: refused
+        if role == "assistant" and rng.random() < 0.4:
+            arguments = rng.choice(['{"q": "kv  cache"}', {"city": text()}, "not json"])
+            m["tool_calls"] = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]
+        return m
+
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    refused = 0
+    for _ in range(400):
+        messages = [message() for _ in range(rng.randint(0, 6))]
+        tools = rng.choice([None, [], [tool], [{"type": "function", "function": {"name": ""}}]])
+        expected = engine(messages, tools)
+        refused += expected is None
+        assert sim_prompt_tokens(messages, tools) == expected, (messages, tools)
+        assert sim_prompt_tokens(messages, tools) == expected  # and again, from what it remembered
+    assert 0 < refused < 400

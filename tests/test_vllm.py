@@ -11,6 +11,7 @@ slow every other test on a two-core machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -88,6 +89,24 @@ def start_vllm_worker(
     _logs.append(log)
     child = spawn(f"vllm {name}", port, command, log=log, env=VLLM_ENV, niceness=10)
     return Engine(child.url, MODEL, child, kind="vllm")
+
+
+@contextlib.contextmanager
+def running(prefix: str, tmp: Path, *starts: Callable[[], Engine]) -> Iterator[list[Engine]]:
+    """Engines started one after the other and waited for until registered; on the way out
+    stopped, and the registry prefix's keys removed."""
+    started: list[Engine] = []
+    try:
+        for start in starts:
+            started.append(start())
+        wait_registered(started, prefix, tmp)
+        yield started
+    finally:
+        for engine in started:
+            engine.child.stop(timeout_s=60)
+        r = redis.Redis.from_url(REDIS_URL)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
 
 
 def registered(prefix: str) -> dict[str, WorkerInfo]:

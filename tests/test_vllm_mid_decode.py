@@ -36,11 +36,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import REDIS_URL, ROOT, VLLM_PYTHON, first_handoff, start_vllm_worker, wait_registered
+from tests.test_vllm import ROOT, VLLM_PYTHON, first_handoff, running, start_vllm_worker
 
 PULLS = "vllm:nixl_xfer_time_seconds_count"
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048")
@@ -56,18 +55,11 @@ def engines(tmp_path_factory) -> Iterator[tuple[Engine, Engine]]:
     model_dir = tmp / "model"
     subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.tiny_model", str(model_dir), "--weights"], cwd=ROOT, check=True)
     prefix = f"vllm-mid-{uuid.uuid4().hex[:8]}"
-    started = [start_vllm_worker(tmp, model_dir, "alpha", prefix, vllm_args=VLLM_ARGS)]
-    try:
-        started.append(start_vllm_worker(tmp, model_dir, "beta", prefix, vllm_args=VLLM_ARGS))
-        wait_registered(started, prefix, tmp)
-        first_handoff(started[0], started[1])
-        yield started[0], started[1]
-    finally:
-        for engine in started:
-            engine.child.stop(timeout_s=60)
-        r = redis.Redis.from_url(REDIS_URL)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+    start = [lambda name=name: start_vllm_worker(tmp, model_dir, name, prefix, vllm_args=VLLM_ARGS)
+             for name in ("alpha", "beta")]  # fmt: skip
+    with running(prefix, tmp, *start) as (alpha, beta):
+        first_handoff(alpha, beta)
+        yield alpha, beta
 
 
 def complete(engine: Engine, prompt: list[int], max_tokens: int, **extra) -> tuple[list[int], dict | None]:

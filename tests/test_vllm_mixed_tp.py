@@ -24,11 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import REDIS_URL, ROOT, VLLM_PYTHON, first_handoff, start_vllm_worker, wait_registered
+from tests.test_vllm import ROOT, VLLM_PYTHON, first_handoff, running, start_vllm_worker
 
 PULLS, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"
 
@@ -45,17 +44,10 @@ def engines(tmp_path_factory) -> Iterator[tuple[Engine, Engine, int]]:
     assert config["torch_dtype"] == "bfloat16"
     kv_bytes = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2  # K and V
     prefix = f"vllm-tp-{uuid.uuid4().hex[:8]}"
-    started = [start_vllm_worker(tmp, model_dir, "tp1", prefix)]
-    try:
-        started.append(start_vllm_worker(tmp, model_dir, "tp2", prefix, "--tp", "2"))
-        wait_registered(started, prefix, tmp)
-        yield started[0], started[1], kv_bytes
-    finally:
-        for engine in started:
-            engine.child.stop(timeout_s=60)
-        r = redis.Redis.from_url(REDIS_URL)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+    starts = (lambda: start_vllm_worker(tmp, model_dir, "tp1", prefix),
+              lambda: start_vllm_worker(tmp, model_dir, "tp2", prefix, "--tp", "2"))  # fmt: skip
+    with running(prefix, tmp, *starts) as (tp1, tp2):
+        yield tp1, tp2, kv_bytes
 
 
 @pytest.mark.parametrize("prefill_tp", [1, 2])
