@@ -125,7 +125,8 @@ class ElasticLoop:
 
     async def engines(self, workers: list[LiveWorker]) -> list[EngineState]:
         ids = [w.info.worker_id for w in workers]
-        costs, _, means = await self.queues.signals(ids, self.stats, [(ITL, w) for w in ids])
+        read = await self.queues.signals(ids, self.stats, [(ITL, w) for w in ids])
+        costs, means = read.queue_costs, read.means
         return [
             EngineState(
                 w.assignment or initial(w.info.worker_id, "decode"),

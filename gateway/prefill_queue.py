@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import redis.asyncio as aioredis
 
 from gateway import scripts
-from gateway.core import RoundCore
+from gateway.core import RoundCore, Signals
 from gateway.leases import Leases
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.reordering import QueuedTask
@@ -100,7 +100,7 @@ class PrefillQueues:
     # -- the API the request path uses ---------------------------------------------
     async def signals(
         self, worker_ids: Iterable[str], stats: WindowedStats, wanted: Iterable[tuple[str, str]]
-    ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
+    ) -> Signals:
         """What routing reads, in one round trip: per worker, estimated seconds of prefill
         queued (Eq. 1-2's queue term) and the prompt tokens of the prefills queued or running
         there; and the windowed means ``wanted``. A client's round reads them in the same
@@ -120,13 +120,13 @@ class PrefillQueues:
     @staticmethod
     def parse_signals(
         ids: list[str], stats: WindowedStats, wanted: list[tuple[str, str]], flat: list | None
-    ) -> tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]:
-        """SIGNALS's answer; ``None`` (Redis is away): no queue to wait in, no statistics, so
-        the profiles' estimates alone (gateway.outage)."""
+    ) -> Signals:
+        """SIGNALS's answer, as the round core takes it; ``None`` (Redis is away): no queue to
+        wait in, no statistics, so the profiles' estimates alone (gateway.outage)."""
         if flat is None:
-            return dict.fromkeys(ids, 0.0), dict.fromkeys(ids, 0), {}
+            return Signals(dict.fromkeys(ids, 0.0), {}, dict.fromkeys(ids, 0))
         costs, tokens = _parse_loads(ids, flat[: 3 * len(ids)])
-        return costs, tokens, stats.parse_means(wanted, flat[3 * len(ids) :])
+        return Signals(costs, stats.parse_means(wanted, flat[3 * len(ids) :]), tokens)
 
     async def submit(
         self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float, tokens: int = 0

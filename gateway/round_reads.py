@@ -60,7 +60,7 @@ class RoundReads:
         except REDIS_DOWN as exc:
             self.health.failed("session", exc)
             found, read_id, flat, raw, loads = [None] * len(keys), None, [], None, None
-        signals = _as_signals(self.queues.parse_signals(worker_ids, self.stats, wanted, loads))
+        signals = self.queues.parse_signals(worker_ids, self.stats, wanted, loads)
         session_id = explicit or self.sessions.infer(keys, found)
         if session_id is None:
             return Opened(None, None, signals)
@@ -76,13 +76,7 @@ class RoundReads:
 
     async def signals(self, worker_ids: list[str]) -> Signals:
         """The signals alone: a server tool round, whose session is in hand."""
-        return _as_signals(await self.queues.signals(worker_ids, self.stats, signal_series(worker_ids)))
-
-
-def _as_signals(read: tuple[dict[str, float], dict[str, int], dict[tuple[str, str], float]]) -> Signals:
-    """The prefill queues' (costs, tokens, means) as the round core takes them."""
-    costs, tokens, means = read
-    return Signals(costs, means, tokens)
+        return await self.queues.signals(worker_ids, self.stats, signal_series(worker_ids))
 
 
 def _has(session: Session | None) -> bool:

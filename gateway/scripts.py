@@ -85,18 +85,19 @@ return 1
 # A windowed statistic's running sum and count, moved on to the window of ``width`` seconds that
 # starts at second ``first``: the seconds before it are subtracted and dropped. Every write first
 # moves the window to its own second, so the seconds held lie in [from, from + width - 1] and a
-# move walks at most a window's worth; a move past all of them empties the key. Returns the sum
-# and count; a missing key is an empty window and is not created. O(1) per read, amortised,
-# where summing a bucket per second cost a window's worth of reads per (series, worker).
+# move walks at most a window's worth; a move past all of them empties the key. Returns the sum,
+# the count and the window's first second (nil for a missing key: an empty window, not created).
+# O(1) per read, amortised, where summing a bucket per second cost a window's worth of reads per
+# (series, worker).
 _WINDOW = """
 local function window(key, first, width)
   local head = redis.call('HMGET', key, 'from', 'sum', 'n')
-  if not head[1] then return 0, 0 end
+  if not head[1] then return 0, 0, nil end
   local from, total, count = tonumber(head[1]), tonumber(head[2]), tonumber(head[3])
-  if from >= first then return total, count end
+  if from >= first then return total, count, from end
   if first >= from + width then
     redis.call('DEL', key)
-    return 0, 0
+    return 0, 0, nil
   end
   local gone = {}
   for s = from, first - 1 do
@@ -110,7 +111,7 @@ local function window(key, first, width)
   if count <= 0 then total, count = 0, 0 end
   if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
   redis.call('HSET', key, 'from', first, 'sum', string.format('%.17g', total), 'n', count)
-  return total, count
+  return total, count, first
 end
 """
 
@@ -213,8 +214,7 @@ OBSERVE = (
 local width = tonumber(ARGV[1])
 for i = 3, #ARGV, 4 do
   local key, second = ARGV[i], tonumber(ARGV[i + 1])
-  window(key, second - width + 1, width)
-  local from = tonumber(redis.call('HGET', key, 'from'))
+  local _, _, from = window(key, second - width + 1, width)
   if not from then
     from = second - width + 1
     redis.call('HSET', key, 'from', from, 'sum', 0, 'n', 0)
