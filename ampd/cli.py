@@ -201,12 +201,14 @@ def gateway(
     log_content: Annotated[
         bool, typer.Option(help="log every exchange's messages and reply; off, no prompt text reaches a log")
     ] = False,
+    processes: Annotated[
+        int, typer.Option(min=1, help="gateway processes sharing the port, each a replica of its own")
+    ] = 1,
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
-    import uvicorn
     from pydantic import ValidationError
 
-    from gateway.app import create_app
+    from gateway.app import serve
     from gateway.config import GatewayConfig, StaticWorker
 
     static = []
@@ -247,16 +249,7 @@ def gateway(
         )
     except ValidationError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    if log_content:
-        import logging
-
-        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-        logging.getLogger("ampd.content").setLevel(logging.INFO)
-    if otlp_endpoint:
-        from gateway.tracing import configure_otlp
-
-        configure_otlp(otlp_endpoint)
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+    serve(config, host, port, processes, otlp_endpoint, log_level)
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -108,3 +109,14 @@ def wait_healthy(children: Sequence[Child], timeout_s: float = 60.0, path: str =
             return child
         time.sleep(0.1)
     return None
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process it started, theirs included (a gateway of several
+    processes: uvicorn's parent and its workers)."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            for child in (task / "children").read_text().split():
+                out += process_tree(int(child))
+    return out

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
+import os
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,21 +25,26 @@ from typing import Any
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import messages_api, responses_api
 from gateway.api import APIError, ChatRequest
 from gateway.config import GatewayConfig
 from gateway.coordinator import Gateway
 from gateway.exchange import Exchange
+from gateway.metrics import MULTIPROCESS_DIR, GatewayMetrics
 from gateway.outage import REDIS_DOWN
 from gateway.rounds import Round
+from gateway.tracing import configure_otlp
 from gateway.upstream import Reply, UpstreamError
 
 MESSAGES_PATH = "/v1/messages"  # Anthropic's API (and its count_tokens): its errors have Anthropic's shape
+CONFIG_ENV = "AMPD_GATEWAY_CONFIG"  # a gateway of several processes: each one's configuration (JSON)
+OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable
 
 
 @dataclass
@@ -69,6 +77,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gc.freeze()
         yield
         await gateway.stop()
+        GatewayMetrics.process_exits()
 
     app = FastAPI(title="ampd gateway", lifespan=lifespan)
     app.state.gateway = gateway
@@ -94,7 +103,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         """Ready while a decode worker is known. Without Redis the replica still serves
-        (gateway.outage), so it stays in rotation and says it is degraded."""
+        (gateway.outage), so it stays in rotation and says it is degraded. It names the
+        replica (the process, where several share the port) that answered."""
         problems = []
         try:
             await gateway.redis.ping()
@@ -104,14 +114,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not serving:
             problems.append("no decode worker")
         status = "not ready" if not serving else "degraded" if problems else "ready"
-        body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers)}
+        body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers),
+                "replica": config.replica_id}  # fmt: skip
         return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         with contextlib.suppress(aioredis.RedisError, OSError):  # a Redis outage must not hide the rest
             gateway.metrics.sessions_active.set(await gateway.sessions.active())
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -255,6 +266,45 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise _upstream_api_error(exc) from exc
 
     return app
+
+
+def prepare_process(config: GatewayConfig, otlp_endpoint: str | None) -> None:
+    """What a gateway process sets up before its app: span export, the content log."""
+    if otlp_endpoint:
+        configure_otlp(otlp_endpoint)
+    if config.log_content:
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("ampd.content").setLevel(logging.INFO)
+
+
+def serve(
+    config: GatewayConfig, host: str, port: int, processes: int, otlp_endpoint: str | None, log_level: str
+) -> None:
+    """Serve the gateway on ``host:port``: one process, or ``processes`` of them sharing the
+    port (uvicorn's workers: the parent holds the socket and keeps them running). A single
+    event loop is what saturates first (README, the hot path): a host's cores go further
+    as several replicas behind one port than as one."""
+    if processes == 1:
+        prepare_process(config, otlp_endpoint)
+        uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
+        return
+    with tempfile.TemporaryDirectory(prefix="ampd-metrics-") as metrics_dir:
+        os.environ[CONFIG_ENV] = config.model_dump_json(exclude={"replica_id"})
+        os.environ[MULTIPROCESS_DIR] = metrics_dir
+        if otlp_endpoint:
+            os.environ[OTLP_ENV] = otlp_endpoint
+        uvicorn.run("gateway.app:app_from_environment", factory=True, workers=processes, host=host, port=port,
+                    log_level=log_level, access_log=False)  # fmt: skip
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one of several gateway processes sharing a port (``ampd gateway
+    --processes``, uvicorn's workers): its configuration comes from the parent in
+    ``AMPD_GATEWAY_CONFIG``, without a replica id - each process is a replica of its own,
+    as replicas on different hosts are (they share their state in Redis)."""
+    config = GatewayConfig.model_validate_json(os.environ[CONFIG_ENV])
+    prepare_process(config, os.environ.get(OTLP_ENV))
+    return create_app(config)
 
 
 DOCUMENTED_BODIES = {  # the request bodies FastAPI cannot see: the routes read them themselves

@@ -71,11 +71,12 @@ class Gateway:
         rng = random.Random(config.routing_seed)
         policy = POLICIES[config.policy]
         core = RoundCore(policy, config.alpha, config.beta, config.reorder_window, rng, config.itl_slo_metric)
-        self.metrics = GatewayMetrics(postponements=lambda: self.queues.postponements)
+        self.metrics = GatewayMetrics(roles=self._roles)
         self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
         self.queues = PrefillQueues(
             self.redis, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
             max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=self.health,
+            postponements=self.metrics.postponements,
         )  # fmt: skip
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
         self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
@@ -101,7 +102,6 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
         await self.pool.refresh()
-        self._show_roles()
         self.queues.watch(self.pool.workers)
         await self.queues.start()
         self._tasks = [asyncio.create_task(self._refresh_forever(), name="pool-refresh")]
@@ -121,15 +121,12 @@ class Gateway:
         while True:
             await asyncio.sleep(self.config.scrape_interval_s)
             await self.pool.refresh()
-            self._show_roles()
             self.queues.watch(self.pool.workers)
 
-    def _show_roles(self) -> None:
-        gauge = self.metrics.worker_role
-        gauge.clear()
-        for worker in self.pool.workers.values():
-            role = worker.assignment.role if worker.assignment is not None else worker.info.role
-            gauge.labels(worker.info.worker_id, role).set(1)
+    def _roles(self) -> list[tuple[str, str]]:
+        """(worker, role) of every engine in the pool: its assignment, else the role it registered."""
+        return [(w.info.worker_id, w.assignment.role if w.assignment is not None else w.info.role)
+                for w in self.pool.workers.values()]  # fmt: skip
 
     # -- an exchange begins -----------------------------------------------------------------
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:

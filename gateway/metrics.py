@@ -1,35 +1,53 @@
-"""The gateway's own Prometheus metrics (per round, as the gateway measures them)."""
+"""The gateway's own Prometheus metrics (per round, as the gateway measures them).
+
+One gateway may be several processes sharing a port (``ampd gateway --processes``):
+then ``PROMETHEUS_MULTIPROC_DIR`` is set before they start, prometheus-client keeps
+every process's values in files there, and a scrape - answered by whichever process
+takes it - adds them up (counters, histograms) or combines them by each gauge's
+``multiprocess_mode``. What every process knows alike (the engines' roles) is read at
+scrape time instead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from perfmodel.slo import ITL_RULES
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's own variable
 
 
-class _Postponements(Collector):
-    """Read at scrape time from the prefill queues, which count them as they decide."""
+class _Roles(Collector):
+    """Each engine's role, from the worker pool as the scraped process sees it."""
 
-    def __init__(self, count: Callable[[], int]) -> None:
-        self.count = count
+    def __init__(self, roles: Callable[[], Iterable[tuple[str, str]]]) -> None:
+        self.roles = roles
 
     def collect(self) -> Iterator[Metric]:
-        yield CounterMetricFamily(
-            "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", value=self.count()
-        )
+        family = GaugeMetricFamily(
+            "ampd_worker_role", "1 for each engine's role: prefill, decode, mixed, or both (never assigned one).",
+            labels=["worker", "role"],
+        )  # fmt: skip
+        for worker, role in self.roles():
+            family.add_metric([worker, role], 1)
+        yield family
 
 
 class GatewayMetrics:
-    def __init__(self, postponements: Callable[[], int]) -> None:
+    """``roles``: (worker, role) of every engine in the pool, read at each scrape."""
+
+    def __init__(self, roles: Callable[[], Iterable[tuple[str, str]]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        r.register(_Postponements(postponements))
+        self.postponements = Counter(
+            "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", registry=r
+        )
         self.ttft = Histogram(
             "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
         )
@@ -61,25 +79,41 @@ class GatewayMetrics:
         )  # fmt: skip
         for outcome in ("moved", "refused"):
             self.migrations.labels(outcome)
-        self.redis_up = Gauge("ampd_redis_up", "1 while Redis answers this replica, 0 during an outage.", registry=r)
+        self.redis_up = Gauge(  # any process of a replica that Redis fails says so
+            "ampd_redis_up", "1 while Redis answers this replica, 0 during an outage.", registry=r,
+            multiprocess_mode="livemin",
+        )  # fmt: skip
         self.redis_errors = Counter(
             "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.outage).", ["what"],
             registry=r,
         )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
-        self.worker_role = Gauge(
-            "ampd_worker_role", "1 for each engine's role: prefill, decode, mixed, or both (never assigned one).",
-            ["worker", "role"], registry=r,
-        )  # fmt: skip
         self.role_moves = Counter(
             "ampd_role_moves", "Engines the elastic controller moved to another role, by why.", ["reason"], registry=r
         )
-        self.sessions_active = Gauge(
-            "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r
-        )
+        self.sessions_active = Gauge(  # set by the process a scrape reaches, just before it answers
+            "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r,
+            multiprocess_mode="livemostrecent",
+        )  # fmt: skip
         self.decision = Histogram(
             "ampd_routing_decision_seconds",
             "Time the routing policy itself took (no I/O).",
             buckets=(1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3),
             registry=r,
         )
+        if os.environ.get(MULTIPROCESS_DIR):
+            self._exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._exposed)
+        else:
+            self._exposed = r
+        self._exposed.register(_Roles(roles))
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this process's metrics, or every process's of its replica."""
+        return generate_latest(self._exposed)
+
+    @staticmethod
+    def process_exits() -> None:
+        """A process of several leaves: its live-only gauges stop counting (``livemin``...)."""
+        if os.environ.get(MULTIPROCESS_DIR):
+            multiprocess.mark_process_dead(os.getpid())

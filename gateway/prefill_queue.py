@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 
 from gateway import scripts
 from gateway.core import RoundCore, Signals
@@ -53,8 +54,10 @@ class PrefillQueues:
         max_queue: int,
         task_ttl_s: int,
         health: RedisHealth,
+        postponements: Counter,
     ) -> None:
         self.redis, self.p, self.core = redis, prefix, core
+        self.postponements = postponements  # Alg. 2 postponements decided by this replica
         self.slots, self.max_queue, self.task_ttl_s, self.health = slots, max_queue, task_ttl_s, health
         self.leases = Leases(redis, prefix)
         self.replicas = Replicas(redis, prefix, replica_id, self.leases, self.release, health)
@@ -67,7 +70,6 @@ class PrefillQueues:
         self._signals = redis.register_script(scripts.SIGNALS)
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
-        self.postponements = 0  # Alg. 2 postponements decided by this replica
 
     def _q(self, w: str) -> str:
         return f"{self.p}:pq:{w}"
@@ -256,7 +258,7 @@ class PrefillQueues:
             return None  # the last slot went to someone else
         if int(committed) < 0:
             return False
-        self.postponements += len(decision.postponed)
+        self.postponements.inc(len(decision.postponed))
         await self.replicas.notify(record["owner"], Dispatched(worker_id, chosen, now - float(record["enqueued"])))
         return True
 

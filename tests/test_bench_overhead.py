@@ -66,22 +66,24 @@ def test_overhead_is_measured_against_direct_and_compared_with_ampd():
 
 def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/13"}
-    command = [sys.executable, "-m", "ampd.cli", "bench", "overhead", "--arms", "direct,ampd", "--levels", "1,3",
-               "--requests", "2", "--output-tokens", "8", "--out", str(tmp_path / "o.json")]  # fmt: skip
+    command = [sys.executable, "-m", "ampd.cli", "bench", "overhead", "--arms", "direct,ampd,ampd-x2",
+               "--levels", "1,3", "--requests", "2", "--output-tokens", "8",
+               "--out", str(tmp_path / "o.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "o.json").read_text())
     assert [(x["arm"], x["streams"], x["requests"]) for x in data["levels"]] == [
-        ("direct", 1, 2), ("ampd", 1, 2), ("direct", 3, 6), ("ampd", 3, 6)
+        ("direct", 1, 2), ("ampd", 1, 2), ("ampd-x2", 1, 2), ("direct", 3, 6), ("ampd", 3, 6), ("ampd-x2", 3, 6)
     ]  # fmt: skip
     # Every token came through the gateway as it did directly (8 tokens, plus role and usage events).
     events = {x["arm"]: x["events_per_request"] for x in data["levels"] if x["streams"] == 3}
-    assert events["ampd"] == events["direct"] >= 8
-    # The gateway's CPU per request is read from /proc; the direct arm has no proxy to charge.
+    assert events["ampd"] == events["ampd-x2"] == events["direct"] >= 8
+    # The gateway's CPU per request is read from /proc - for two processes, the parent's and
+    # its children's - and the direct arm has no proxy to charge.
     cpu = {x["arm"]: x["cpu_ms_per_request"] for x in data["levels"] if x["streams"] == 3}
-    assert cpu["direct"] is None and 0 < cpu["ampd"] < 1000
+    assert cpu["direct"] is None and 0 < cpu["ampd"] < 1000 and 0 < cpu["ampd-x2"] < 1000
     for row in data["overheads"]:
-        assert row["arm"] == "ampd" and math.isfinite(row["added_p50_ms"]) and row["request_rate"] > 0
+        assert row["arm"] in ("ampd", "ampd-x2") and math.isfinite(row["added_p50_ms"]) and row["request_rate"] > 0
     assert data["failures"] == {} and "| 3 | ampd |" in (tmp_path / "o.md").read_text()
     wrong = subprocess.run([*command[:5], "--arms", "direct,nginx"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "unknown arms" in wrong.stdout

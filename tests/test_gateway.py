@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -500,6 +501,44 @@ def test_two_gateways_share_bindings_queues_and_statistics(stack):
     # Both replicas' observations land in the same windowed statistics.
     itl_samples = sum(int(stack.redis.hget(k, "n") or 0) for k in stack.redis.scan_iter(match=f"{prefix}:stat:itl:*"))
     assert itl_samples >= 32
+
+
+def test_a_gateway_of_two_processes_is_two_replicas_behind_one_port(stack):
+    """`ampd gateway --processes 2`: both processes answer on the port, each a replica of
+    its own; an agent session goes on whichever takes each request; one scrape counts
+    every process's requests; stopping the gateway stops both."""
+    gateway = start_gateway(stack.tmp, REDIS_URL, stack.prefix, "--processes", "2")
+    processes = [int(p) for task in Path(f"/proc/{gateway.process.pid}/task").iterdir()
+                 for p in (task / "children").read_text().split()]  # fmt: skip
+    try:
+        seen: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(seen) < 2:  # a fresh connection each time: the kernel hands them to either process
+            assert time.monotonic() < deadline, f"only {seen} answered"
+            seen.add(httpx.get(f"{gateway.url}/readyz", headers={"Connection": "close"}).json()["replica"])
+        alive = {k.rsplit(":", 1)[1] for k in stack.redis.scan_iter(match=f"{stack.prefix}:replica:*")}
+        assert seen <= alive  # each process beats as a replica of the deployment
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0,
+                               http_client=httpx.Client(headers={"Connection": "close"}))  # fmt: skip
+        session_id = f"mp-{uuid.uuid4().hex[:8]}"
+        rounds = list(agent_loop(client, 4, session_id=session_id))
+        assert [f for _, _, f in rounds] == ["tool_calls"] * 3 + ["stop"]
+        assert int(stack.session(session_id)["rounds"]) == 4  # one session, whichever process ran each round
+        metrics = httpx.get(f"{gateway.url}/metrics").text
+        assert 'ampd_requests_total{status="200"} 4.0' in metrics  # both processes' requests, in one scrape
+        decode = f"sim-decode-127.0.0.1:{stack.decode.url.rsplit(':', 1)[1]}"
+        assert f'ampd_worker_role{{role="decode",worker="{decode}"}} 1.0' in metrics
+    finally:
+        gateway.stop()
+    assert len(processes) >= 2 and not [p for p in processes if _running(p)]
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended
 
 
 def test_routes_shift_to_local_under_load(tmp_path):

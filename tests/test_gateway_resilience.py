@@ -43,10 +43,10 @@ def ask(url: str, session_id: str, content: str) -> httpx.Response:
 
 def replica_queues(prefix: str, replica: str, client: aioredis.Redis, policy: str) -> PrefillQueues:
     """One replica's prefill queues, in this process, with one slot per worker."""
-    metrics = GatewayMetrics(postponements=lambda: 0)
+    metrics = GatewayMetrics(roles=list)
     health = RedisHealth(metrics.redis_up, metrics.redis_errors)
     return PrefillQueues(client, prefix, replica, RoundCore(POLICIES[policy]), slots=1, max_queue=8, task_ttl_s=60,
-                         health=health)  # fmt: skip
+                         health=health, postponements=metrics.postponements)  # fmt: skip
 
 
 def cleanup(prefix: str) -> None:
@@ -215,7 +215,7 @@ def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_
     asked = conversation_hashes("public", [*said, {"role": "user", "content": "monday"}])
 
     def stores(client: aioredis.Redis) -> tuple[SessionStore, RoundReads]:
-        metrics = GatewayMetrics(postponements=lambda: 0)
+        metrics = GatewayMetrics(roles=list)
         health = RedisHealth(metrics.redis_up, metrics.redis_errors)
         sessions = SessionStore(client, prefix, 60, health)
         queues = replica_queues(prefix, "a", client, "ampd")

@@ -52,9 +52,9 @@ def bench_gateway(
 
 @bench_app.command("overhead")
 def bench_overhead(
-    arms: Annotated[str, typer.Option(help="comma-separated, of direct, ampd, litellm, vllm-router")] = (
-        "direct,ampd,litellm,vllm-router"
-    ),
+    arms: Annotated[
+        str, typer.Option(help="comma-separated, of direct, ampd (ampd-xN: N gateway processes), litellm, vllm-router")
+    ] = ("direct,ampd,litellm,vllm-router"),
     levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
     requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
     output_tokens: int = 32,
@@ -78,13 +78,16 @@ def bench_load(
     output_tokens: int = 20,
     think_min_s: float = 4.0,
     think_max_s: float = 12.0,
+    gateway_processes: Annotated[int, typer.Option(min=1, help="processes of the gateway (`--processes`)")] = 1,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:
     """Agent sessions for minutes through the gateway: lost rounds, errors, memory, added latency."""
     from ampd.bench.load import LoadShape, run_load_bench
 
     shape = LoadShape(rounds=rounds, output_tokens=output_tokens, think_s=(think_min_s, think_max_s))
-    raise typer.Exit(run_load_bench(console, agents, minutes, baseline_minutes, speed, policy, shape, out))
+    raise typer.Exit(
+        run_load_bench(console, agents, minutes, baseline_minutes, speed, policy, shape, out, gateway_processes)
+    )
 
 
 @bench_app.command("chaos")

@@ -43,7 +43,7 @@ from ampd.bench.gateway import percentile_ms
 from ampd.bench.overhead import cpu_seconds
 from ampd.bench.replay import TOOL, agent_client, stream_round, words
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import process_tree, spawn_gateway, spawn_sim_worker, wait_healthy
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,13 @@ async def run_agents(
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """Resident memory of a process and the processes it started (a gateway of several)."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # one that ended meanwhile
+            status = Path(f"/proc/{member}/status").read_text().splitlines()
+            total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    return total
 
 
 async def _sample(
@@ -220,7 +223,7 @@ def requests_counted(metrics_text: str) -> dict[str, float]:
 
 def run_load_bench(
     console: Console, agents: int, minutes: float, baseline_minutes: float, speed: float, policy: str,
-    shape: LoadShape, out: Path | None,
+    shape: LoadShape, out: Path | None, gateway_processes: int = 1,
 ) -> int:  # fmt: skip
     prefix = f"load-{uuid.uuid4().hex[:8]}"
     state = Path(".ampd") / prefix
@@ -232,7 +235,8 @@ def run_load_bench(
                                               *common], log=state / f"worker{i}.log")
         for i, port in enumerate((free_port(), free_port()))
     ]  # fmt: skip
-    options = [*common, "--policy", policy, "--prefill-slots", "64", "--max-queue", str(agents * 2)]
+    options = [*common, "--policy", policy, "--prefill-slots", "64", "--max-queue", str(agents * 2),
+               "--processes", str(gateway_processes)]  # fmt: skip
     gateway = spawn_gateway("gateway", free_port(), options, log=state / "gateway.log")
     ramp_s = min(30.0, minutes * 60 / 4)
     samples: list[tuple[float, float]] = []
@@ -276,7 +280,8 @@ def run_load_bench(
     steady = [mib for t, mib in samples if t >= ramp_s]
     report = {
         "agents": agents, "minutes": minutes, "baseline_minutes": baseline_minutes, "speed": speed,
-        "policy": policy, "shape": asdict(shape), "cpus": os.cpu_count(), "arms": [asdict(a) for a in arms],
+        "policy": policy, "shape": asdict(shape), "cpus": os.cpu_count(), "gateway_processes": gateway_processes,
+        "arms": [asdict(a) for a in arms],
         "added_ttft_p50_ms": arms[1].ttft_p50_ms - arms[0].ttft_p50_ms,
         "added_ttft_p99_ms": arms[1].ttft_p99_ms - arms[0].ttft_p99_ms,
         "gateway_rss_mib": {"start": steady[0] if steady else None, "end": steady[-1] if steady else None,

@@ -1,24 +1,27 @@
 """`ampd bench overhead`: the latency a gateway adds, against peer gateways.
 
 One GPU-free worker (role ``both``, pinned to one core) is called four ways, in one run:
-(a) directly, (b) through the ampd gateway, (c) through LiteLLM's proxy, (d) through the
-``vllm-router`` package (the vLLM project's Rust router). Each peer is installed from
+(a) directly, (b) through the ampd gateway (``ampd``: one process; ``ampd-xN``: N
+processes sharing its port, ``ampd gateway --processes N``), (c) through LiteLLM's proxy,
+(d) through the ``vllm-router`` package (the vLLM project's Rust router). Each peer is installed from
 PyPI into its own venv under bench/venvs/ at run time (never vendored), pinned below.
 At each level of concurrent streams - each stream sending streamed chat completions one
 after another - the arms run one after the other, so a level's numbers share the
 machine's state. Reported per arm: TTFT p50/p99, the latency added over the direct call
 (p50, p99), the request rate reached (completed requests / wall seconds: the most a
 closed loop of that many streams gets through) and, for a proxy, its CPU per request
-(user + system time of its process, from /proc/<pid>/stat, over the level's run, divided
-by the requests completed: what one round costs the proxy). Ratios are each peer's over
+(user + system time of its process and the processes it started, from /proc, over the
+level's run, divided by the requests completed: what one round costs the proxy). Ratios are each peer's over
 ampd's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -33,12 +36,13 @@ from rich.table import Table
 
 from ampd.bench.gateway import drive, percentile_ms
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import Child, process_tree, spawn_gateway, spawn_sim_worker, wait_healthy
 
 VENVS = Path("bench/venvs")
 # The versions this benchmark was run with; a venv is reused while its marker matches.
 REQUIREMENTS = {"litellm": "litellm[proxy]==1.106.2", "vllm-router": "vllm-router==0.1.17"}
 ARMS = ("direct", "ampd", "litellm", "vllm-router")
+GATEWAY_ARM = re.compile(r"ampd(?:-x([1-9][0-9]*))?")  # ampd, or ampd-xN: N gateway processes
 
 
 # -- the peers: how each is installed and started (pure) -----------------------------------
@@ -176,11 +180,16 @@ def markdown(levels: Sequence[ArmLevel], rows: Sequence[Overhead], failures: dic
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a process has used, all its threads included
-    (``/proc/<pid>/stat`` fields 14 and 15, in clock ticks)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds a process and the processes it started (a gateway of
+    several processes) have used, all their threads included (``/proc/<pid>/stat`` fields
+    14 and 15, in clock ticks); a process that ends meanwhile no longer counts."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            stat = Path(f"/proc/{member}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def measure(
@@ -224,9 +233,9 @@ def run_overhead_bench(
     output_tokens: int,
     out: Path | None,
 ) -> int:
-    unknown = [a for a in arms if a not in ARMS]
+    unknown = [a for a in arms if a not in ARMS and not GATEWAY_ARM.fullmatch(a)]
     if unknown:
-        console.print(f"[red]unknown arms {unknown}; known: {', '.join(ARMS)}[/red]")
+        console.print(f"[red]unknown arms {unknown}; known: {', '.join(ARMS)}, ampd-xN[/red]")
         return 2
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     state = Path(".ampd") / prefix
@@ -243,12 +252,16 @@ def run_overhead_bench(
         if wait_healthy([worker]):
             raise RuntimeError("the GPU-free worker did not start")
         model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        if "ampd" in arms:
-            gateway = spawn_gateway("ampd", free_port(), [*registry, "--prefill-slots", "4096"], state / "gateway.log")
+        for arm in arms:
+            shape = GATEWAY_ARM.fullmatch(arm)
+            if shape is None:
+                continue
+            options = [*registry, "--prefill-slots", "4096", "--processes", shape.group(1) or "1"]
+            gateway = spawn_gateway(arm, free_port(), options, state / f"{arm}.log")
             children.append(gateway)
             if wait_healthy([gateway], path="/readyz"):
-                raise RuntimeError("the ampd gateway did not start")
-            urls["ampd"], pids["ampd"] = gateway.url, gateway.process.pid
+                raise RuntimeError(f"the {arm} gateway did not start")
+            urls[arm], pids[arm] = gateway.url, gateway.process.pid
         for peer in (a for a in arms if a in ("litellm", "vllm-router")):
             with console.status(f"installing and starting {peer}"):
                 try:

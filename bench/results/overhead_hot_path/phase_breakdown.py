@@ -1,0 +1,123 @@
+"""Where the latency ampd adds at one stream goes, phase by phase.
+
+A one-off timing harness, not part of the package: the gateway runs in a child process of
+this script with timestamps taken around its phases (by wrapping the coordinator's
+``open``, the session and signals read, the prefill queue's ``submit`` and the engine
+client's ``stream``, and the ASGI app itself); one GPU-free worker on core 0; 100 streamed
+requests of 32 tokens, one after another, then 50 straight to the worker. Prints the
+median of each phase over the last 50 requests and both client-side TTFT medians.
+
+    .venv/bin/python bench/results/overhead_hot_path/phase_breakdown.py
+
+Output of the run behind the README: phase_breakdown.txt.
+"""
+
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+PHASES = ["asgi", "open_start", "reads_done", "open_done", "submit_start", "submit_done", "post", "engine_first",
+          "client_first"]  # fmt: skip
+
+
+def serve(redis_url: str, prefix: str, port: int) -> None:
+    import uvicorn
+
+    import gateway.coordinator as coordinator
+    import gateway.prefill_queue as prefill_queue
+    import gateway.upstream as upstream
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    stamps: dict[str, float] = {}
+    rows: list[dict[str, float]] = []
+
+    def timed(cls, name: str, before: str | None, after: str) -> None:
+        inner = getattr(cls, name)
+
+        async def wrapper(*args, **kwargs):
+            if before:
+                stamps[before] = time.perf_counter()
+            out = await inner(*args, **kwargs)
+            stamps[after] = time.perf_counter()
+            return out
+
+        setattr(cls, name, wrapper)
+
+    timed(coordinator.Gateway, "open", "open_start", "open_done")
+    timed(coordinator.RoundReads, "read", None, "reads_done")
+    timed(prefill_queue.PrefillQueues, "submit", "submit_start", "submit_done")
+    stream = upstream.EngineClient.stream
+
+    async def first_chunk(*args, **kwargs):
+        stamps["post"], first = time.perf_counter(), True
+        async for events in stream(*args, **kwargs):
+            if first:
+                stamps["engine_first"], first = time.perf_counter(), False
+            yield events
+
+    upstream.EngineClient.stream = first_chunk
+    app = create_app(GatewayConfig(redis_url=redis_url, key_prefix=prefix, prefill_slots=4096))
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            return await app(scope, receive, send)
+        stamps.clear()
+        stamps["asgi"] = time.perf_counter()
+
+        async def sending(message):
+            if message["type"] == "http.response.body" and message.get("body") and "client_first" not in stamps:
+                stamps["client_first"] = time.perf_counter()
+            await send(message)
+
+        await app(scope, receive, sending)
+        rows.append(dict(stamps))
+        if len(rows) == 100:
+            done = [r for r in rows[50:] if all(k in r for k in PHASES)]
+            print(f"phase medians over {len(done)} requests (ms):", flush=True)
+            for a, b in zip(PHASES, PHASES[1:], strict=False):
+                print(f"  {a:>13} -> {b:<13} {statistics.median(r[b] - r[a] for r in done) * 1000:7.3f}", flush=True)
+            total = statistics.median(r["client_first"] - r["asgi"] for r in done) * 1000
+            print(f"  {'asgi':>13} -> {'client_first':<13} {total:7.3f}", flush=True)
+
+    uvicorn.run(asgi, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="on")
+
+
+def main() -> None:
+    import httpx
+
+    from ampd.bench.gateway import drive
+    from ampd.local_redis import delete_prefix, ensure_redis, free_port
+    from ampd.processes import Child, spawn_sim_worker, wait_healthy
+
+    prefix = f"phases-{uuid.uuid4().hex[:6]}"
+    state = Path(".ampd") / prefix
+    state.mkdir(parents=True, exist_ok=True)
+    redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
+    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
+    worker = spawn_sim_worker("w", free_port(), ["--role", "both", *registry], log=state / "w.log", cpu=0)
+    port = free_port()
+    gateway = Child("g", f"http://127.0.0.1:{port}",
+                    subprocess.Popen([sys.executable, __file__, "serve", redis.url, prefix, str(port)]))  # fmt: skip
+    try:
+        if wait_healthy([worker]) or wait_healthy([gateway], path="/readyz"):
+            raise RuntimeError("the worker or the gateway did not start")
+        model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
+        os.sched_setaffinity(0, {1})
+        for label, url, n in (("ampd", gateway.url, 100), ("direct", worker.url, 50)):
+            ttft = sorted(t.ttft for t in asyncio.run(drive(url, model, 1, n, 32))[n // 2 :])
+            print(f"client TTFT p50 {label}: {ttft[len(ttft) // 2] * 1000:.2f} ms", flush=True)
+    finally:
+        gateway.stop()
+        worker.stop()
+        delete_prefix(redis.url, prefix)
+        redis.stop()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[2], sys.argv[3], int(sys.argv[4])) if sys.argv[1:2] == ["serve"] else main()
