@@ -13,10 +13,13 @@ first two, Anthropic's for ``/v1/messages``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import json
 import logging
 import os
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +48,7 @@ from gateway.upstream import Reply, UpstreamError
 MESSAGES_PATH = "/v1/messages"  # Anthropic's API (and its count_tokens): its errors have Anthropic's shape
 CONFIG_ENV = "AMPD_GATEWAY_CONFIG"  # a gateway of several processes: each one's configuration (JSON)
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -303,8 +307,18 @@ def app_from_environment() -> FastAPI:
     ``AMPD_GATEWAY_CONFIG``, without a replica id - each process is a replica of its own,
     as replicas on different hosts are (they share their state in Redis)."""
     config = GatewayConfig.model_validate_json(os.environ[CONFIG_ENV])
+    _end_with_parent()
     prepare_process(config, os.environ.get(OTLP_ENV))
     return create_app(config)
+
+
+def _end_with_parent() -> None:
+    """A process of several ends when its parent does (Linux's parent-death signal), so a
+    gateway stopped hard leaves no replica serving on that nobody can stop: uvicorn's
+    parent waits for its workers, and a worker slow to shut down once got its parent
+    killed by the caller's deadline and stayed behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 DOCUMENTED_BODIES = {  # the request bodies FastAPI cannot see: the routes read them themselves
