@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +120,13 @@ def process_tree(pid: int) -> list[int]:
             for child in (task / "children").read_text().split():
                 out += process_tree(int(child))
     return out
+
+
+def tree_total(pid: int, of_one: Callable[[int], float]) -> float:
+    """``of_one`` (a reading of /proc) added up over ``pid``'s process tree; a process that
+    ends meanwhile no longer counts."""
+    total = 0.0
+    for member in process_tree(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += of_one(member)
+    return total

@@ -43,8 +43,7 @@ class GatewayMetrics:
     """``roles``: (worker, role) of every engine in the pool, read at each scrape."""
 
     def __init__(self, roles: Callable[[], Iterable[tuple[str, str]]]) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        r = CollectorRegistry()
         self.postponements = Counter(
             "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", registry=r
         )

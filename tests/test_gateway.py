@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from ampd.local_redis import free_port
+from ampd.processes import process_tree
 from gateway.tokens import sim_prompt_tokens
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
@@ -508,8 +509,7 @@ def test_a_gateway_of_two_processes_is_two_replicas_behind_one_port(stack):
     its own; an agent session goes on whichever takes each request; one scrape counts
     every process's requests; stopping the gateway stops both."""
     gateway = start_gateway(stack.tmp, REDIS_URL, stack.prefix, "--processes", "2")
-    processes = [int(p) for task in Path(f"/proc/{gateway.process.pid}/task").iterdir()
-                 for p in (task / "children").read_text().split()]  # fmt: skip
+    processes = process_tree(gateway.process.pid)[1:]
     try:
         seen: set[str] = set()
         deadline = time.monotonic() + 60

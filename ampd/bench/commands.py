@@ -54,7 +54,7 @@ def bench_gateway(
 def bench_overhead(
     arms: Annotated[
         str, typer.Option(help="comma-separated, of direct, ampd (ampd-xN: N gateway processes), litellm, vllm-router")
-    ] = ("direct,ampd,litellm,vllm-router"),
+    ] = "direct,ampd,litellm,vllm-router",
     levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
     requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
     output_tokens: int = 32,

@@ -43,7 +43,7 @@ from ampd.bench.gateway import percentile_ms
 from ampd.bench.overhead import cpu_seconds
 from ampd.bench.replay import TOOL, agent_client, stream_round, words
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import process_tree, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import spawn_gateway, spawn_sim_worker, tree_total, wait_healthy
 
 
 @dataclass(frozen=True)
@@ -190,12 +190,12 @@ async def run_agents(
 
 def rss_mib(pid: int) -> float:
     """Resident memory of a process and the processes it started (a gateway of several)."""
-    total = 0.0
-    for member in process_tree(pid):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # one that ended meanwhile
-            status = Path(f"/proc/{member}/status").read_text().splitlines()
-            total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
-    return total
+    return tree_total(pid, _own_rss_mib)
+
+
+def _own_rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
 async def _sample(

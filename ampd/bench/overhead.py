@@ -18,7 +18,6 @@ ampd's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from rich.table import Table
 
 from ampd.bench.gateway import drive, percentile_ms
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import Child, process_tree, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.processes import Child, spawn_gateway, spawn_sim_worker, tree_total, wait_healthy
 
 VENVS = Path("bench/venvs")
 # The versions this benchmark was run with; a venv is reused while its marker matches.
@@ -181,15 +180,15 @@ def markdown(levels: Sequence[ArmLevel], rows: Sequence[Overhead], failures: dic
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process and the processes it started (a gateway of
-    several processes) have used, all their threads included (``/proc/<pid>/stat`` fields
-    14 and 15, in clock ticks); a process that ends meanwhile no longer counts."""
-    total = 0.0
-    for member in process_tree(pid):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            stat = Path(f"/proc/{member}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    several processes) have used, all their threads included."""
+    return tree_total(pid, _own_cpu_seconds)
+
+
+def _own_cpu_seconds(pid: int) -> float:
+    """``/proc/<pid>/stat`` fields 14 and 15, in clock ticks."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(
