@@ -15,12 +15,15 @@ import time
 
 import redis.asyncio as aioredis
 
+from gateway import scripts
+
 LEASE_S = 10.0  # a dispatched task's hold on its slot, renewed by its replica while it runs
 
 
 class Leases:
     def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
         self.redis, self.p = redis, prefix
+        self._free = redis.register_script(scripts.FREE)
         self.running: dict[str, str] = {}  # task id -> worker id, for renewal
         self.unqueued: set[str] = set()  # tasks started without Redis: no slot to free
 
@@ -45,11 +48,8 @@ class Leases:
         if task_id in self.unqueued:
             self.unqueued.discard(task_id)
             return False
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.key(worker_id), task_id)
-            pipe.delete(self.task_key(task_id))
-            pipe.llen(f"{self.p}:pq:{worker_id}")
-            return bool((await pipe.execute())[2])
+        keys = [self.key(worker_id), self.task_key(task_id), f"{self.p}:pq:{worker_id}"]
+        return bool(await self._free(keys=keys, args=[task_id]))
 
     async def renew_forever(self) -> None:
         while True:

@@ -232,22 +232,24 @@ class SessionStore:
         session.has_transcript = transcript is not None
         key = self._key(session.scope, session.session_id)
         flat = session.fields()
-        pipe.hset(key, mapping=flat)
-        pipe.expire(key, self.ttl_s)
         self._hold(key, flat)
         transcript_key = self._transcript(session.scope, session.session_id)
+        raw = ""
         if transcript is not None:
             raw = json.dumps(list(transcript))
-            pipe.set(transcript_key, raw, ex=self.ttl_s)
             self._hold(transcript_key, raw)
         else:
-            pipe.delete(transcript_key)
             self._held.pop(transcript_key, None)
+        keys = [key, transcript_key, f"{self.p}:active"]
         if not session.explicit_id:
             conversation_key = self._conversation(session.scope, session.conversation_hash)
-            pipe.set(conversation_key, session.session_id, ex=self.ttl_s)
+            keys.append(conversation_key)
             self._hold(conversation_key, session.session_id)
-        pipe.zadd(f"{self.p}:active", {f"{session.scope}:{session.session_id}": time.time()})
+        member = f"{session.scope}:{session.session_id}"
+        pairs = [x for pair in flat.items() for x in pair]
+        # EVAL, not EVALSHA: see record_round.
+        pipe.eval(scripts.SAVE_SESSION, len(keys), *keys, self.ttl_s, raw, member, time.time(), session.session_id,
+                  *pairs)  # fmt: skip
 
     async def active(self) -> int:
         """Sessions, across all replicas, with an exchange in the last ACTIVE_WINDOW_S."""

@@ -206,8 +206,9 @@ def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
 def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_on_its_copy():
     """A client's round reads its session (inferred from its conversation, or by the id it
     gave), the session's transcript and the workers' load signals in one Redis command
-    (gateway.scripts.OPEN), seen with MONITOR. Where Redis lost them (restarted empty), or
-    cannot be reached, the replica's own copy of what it wrote last answers instead."""
+    (gateway.scripts.OPEN), seen with MONITOR; the session is saved, and a prefill's slot
+    freed, in one command each. Where Redis lost them (restarted empty), or cannot be
+    reached, the replica's own copy of what it wrote last answers instead."""
 
     prefix = f"open-{uuid.uuid4().hex[:8]}"
     said = [{"role": "user", "content": "find the flights"}, {"role": "assistant", "content": "which day?"}]
@@ -263,6 +264,12 @@ def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_
 
             sent = await commands_of(client, lambda: reads.read("public", None, asked, ["w1", "w2"]))
             assert sent == ["EVALSHA"], sent
+            # The exchange's session is saved in one command, and a prefill's slot freed in one.
+            assert await commands_of(client, lambda: save(sessions, client, session)) == ["EVAL"]
+            sent = await commands_of(client, lambda: reads.queues.leases.free("w1", "t1"))
+            assert sent == ["EVALSHA"], sent
+            assert await client.zscore(f"{prefix}:inflight:w1", "t1") is None
+            assert not await client.exists(f"{prefix}:task:t1")
 
             cleanup(prefix)  # Redis restarted empty: this replica's copy answers
             assert (await reads.read("public", None, asked, ["w1"])).session == session
