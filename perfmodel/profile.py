@@ -26,6 +26,7 @@ The profile file holds the fitted pieces and everything they were derived from.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from pathlib import Path
 from typing import Literal
 
@@ -123,12 +124,8 @@ class Profile(BaseModel):
     def decode_steps(self, batch: int, context: int, steps: int) -> list[float]:
         """Cumulative end times of ``steps`` decode steps of a fixed batch whose context
         grows by ``batch`` tokens a step: ``[T_dec(b, C), T_dec(b, C) + T_dec(b, C + b), ...]``."""
-        forward, read = self.pieces.forward(batch), self.pieces.context_read
-        out, elapsed = [], 0.0
-        for i in range(steps):
-            elapsed += forward + read(context + i * batch)
-            out.append(elapsed)
-        return out
+        forward = self.pieces.forward(batch)
+        return list(accumulate(map(forward.__add__, self.pieces.context_read.along(context, batch, steps))))
 
     def dump(self, path: Path) -> None:
         path.write_text(self.model_dump_json(indent=2) + "\n")

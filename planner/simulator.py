@@ -21,7 +21,15 @@ it is the live system's own code with the clock and the network taken out:
 Differences from the live system, all deliberate: no network or gateway CPU time, KV
 usage for binding is scraped every second as the gateway's pool does but without its
 HTTP delay, and token ids are synthetic (unique per session, so prefix caching hits
-exactly what the session's history is).
+exactly what the session's history is; the engine's block keys name the session and the
+block's place instead of hashing its tokens, which hits and evicts alike:
+``SimSession.block_hashes``).
+
+Speed: the simulator is the planner's inner loop (``ampd bench simulate``). Work that
+arrives at an engine in the middle of a fused decode step is looked at once, at the
+sub-step boundary where a real engine would next schedule; a request that only waits
+there for its prompt's KV joins without ending the step (``Scheduler.admit_during``).
+``tests/test_sim_equality.py`` holds the results still (to 1e-9) while this code changes.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import itertools
 import math
 import random
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -61,7 +70,7 @@ from perfmodel.profile import Profile, t_kv
 from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
 from planner.trace import TraceSession
 from workers.sim.request import RemotePrefill, Request
-from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
+from workers.sim.scheduler import KVLoad, Scheduler, SchedulerConfig, Step
 
 SCRAPE_INTERVAL_S = 1.0  # the gateway's pool refresh (GatewayConfig.scrape_interval_s)
 _FILLER = list(range(256)) * 512  # token ids to slice from (see Simulation._fresh_tokens)
@@ -124,6 +133,7 @@ class SimWorker:
     step: Step | None = None
     step_start: float = 0.0
     version: int = 0  # invalidates step-end events of steps cut short
+    looking: tuple[int, float] = (0, 0.0)  # (version, offset) of the step boundary a look is due at (Simulation._kick)
     busy_s: float = 0.0
     kv_snapshot: float = 0.0  # KV usage at the last scrape
     decoding: int = 0  # rounds of sessions bound here, in flight
@@ -141,8 +151,18 @@ class SimSession:
     next_round: int = 0
     state: SessionState | None = None  # the round core's view of it (gateway.core)
     tokens: list[int] = field(default_factory=list)  # the conversation so far, as the engine sees it
-    block_hashes: list[int] = field(default_factory=list)  # of ``tokens``' full blocks, carried over rounds
     next_token: int = 0
+
+    def block_hashes(self, num_tokens: int, block_size: int) -> list[int]:
+        """The prefix cache's keys for the full blocks of its first ``num_tokens`` tokens.
+
+        A block's key in the engine is a hash chained over every token before it; a
+        session's tokens are unique to it and never change once said, so that hash
+        stands for (session, block position) and no two differ in anything else. Naming
+        the pair directly gives the engine the same keys up to their values, so it hits
+        and evicts exactly as it would, without hashing every block of every round."""
+        first = (self.index + 1) << 32
+        return list(range(first, first + num_tokens // block_size))
 
 
 @dataclass
@@ -349,16 +369,26 @@ class Simulation:
         heapq.heappush(self._events, (when, next(self._seq), action, args))
 
     def run(self) -> None:
-        for session in self.sessions:
-            self._at(session.trace.arrival_s, self._start_round, session)
+        # Sessions arrive from a sorted list rather than the heap, which then holds only
+        # what is in flight. An arrival goes before any other event at its time, as it would
+        # from the heap (its sequence number would be smaller); the sort is stable, so
+        # arrivals at one time keep their order.
+        arrivals = sorted(self.sessions, key=lambda s: s.trace.arrival_s)
         self._unfinished = len(self.sessions)
         if self.controller is not None:
             self._record_roles()
             self._at(self.controller.config.interval_s, self._control)
             self._at(self.controller.config.forecast_interval_s, self._forecast)
-        while self._events:
-            when, _, action, args = heapq.heappop(self._events)
-            self.now = when
+        events, pop, start_round = self._events, heapq.heappop, self._start_round
+        for session in arrivals:
+            arrival = session.trace.arrival_s
+            while events and events[0][0] < arrival:
+                self.now, _, action, args = pop(events)
+                action(*args)
+            self.now = arrival
+            start_round(session)
+        while events:
+            self.now, _, action, args = pop(events)
             action(*args)
 
     # -- gateway: a round becomes a routed, queued prefill task ------------------------
@@ -461,12 +491,17 @@ class Simulation:
             prefill = self.workers[route.worker_id]
             alpha = prompt[: held_tokens(task, route)]
             request = Request(request_id, alpha, state.output_plan[:1], 1, self.now, do_remote_decode=True)
-            request.block_hashes = list(session.block_hashes)
+            request.block_hashes = self._block_hashes(state)
             self._submit(prefill, request, state)
             return
         request = Request(request_id, prompt, state.output_plan, len(state.output_plan), self.now)
-        request.block_hashes = list(session.block_hashes)
+        request.block_hashes = self._block_hashes(state)
         self._submit(self.decode_worker(session), request, state)
+
+    def _block_hashes(self, state: RoundState) -> list[int]:
+        """Keys for every block the round's requests may fill: its prompt and its output."""
+        tokens = state.plan.task.l_total + len(state.output_plan)
+        return state.session.block_hashes(tokens, self.config.scheduler.block_size)
 
     def decode_worker(self, session: SimSession) -> SimWorker:
         assert session.state is not None
@@ -479,36 +514,50 @@ class Simulation:
 
     # -- engines: stepping in virtual time ---------------------------------------------
     def _kick(self, worker: SimWorker) -> None:
-        """New work for ``worker``: start a step, or cut a fused one at its next boundary."""
-        if worker.step is None:
-            self._start_step(worker)
-        else:
-            self._cut(worker)
-
-    def _cut(self, worker: SimWorker) -> None:
+        """New work for ``worker``: start a step, or look again at a fused one's next boundary,
+        where a real engine would next schedule (:meth:`_boundary`)."""
         step = worker.step
-        if step is None or step.num_steps == 1:
+        if step is None:
+            self._start_step(worker)
+        elif step.num_steps > 1:
+            elapsed = step.boundaries[bisect_left(step.boundaries, self.now - worker.step_start)]
+            if (worker.version, elapsed) != worker.looking:  # one look per boundary, however much work came
+                worker.looking = (worker.version, elapsed)
+                self._at(worker.step_start + elapsed, self._boundary, worker, worker.version, elapsed)
+
+    def _boundary(self, worker: SimWorker, version: int, elapsed: float) -> None:
+        """A fused step's boundary (``elapsed`` after its start) with new work: admit what only
+        waits for its KV and go on, or end the step here where the batch changes
+        (Scheduler.admit_during)."""
+        step = worker.step
+        if version != worker.version or step is None:
             return
-        before = step.num_steps
-        worker.scheduler.cut(step, self.now - worker.step_start)
-        if step.num_steps < before:
+        worker.looking = (-1, 0.0)  # work that comes later, even now, gets a look of its own
+        loads, goes_on = worker.scheduler.admit_during(step, elapsed, self.now)
+        self._pull(worker, loads)
+        if not goes_on:
+            worker.scheduler.cut(step, elapsed)
             worker.version += 1
-            self._at(worker.step_start + step.duration, self._end_step, worker, worker.version)
+            self._end_step(worker, worker.version)
 
     def _start_step(self, worker: SimWorker) -> None:
         step = worker.scheduler.schedule(self.now, self.config.max_decode_steps)
-        for load in step.kv_loads:
-            remote = load.request.remote_prefill
-            assert remote is not None
-            source = self.workers[remote.engine_id]
-            done = self.now + t_kv(load.num_tokens, source.profile, worker.profile)
-            self._at(done, self._kv_loaded, worker, load.request.request_id, source, remote.request_id)
+        self._pull(worker, step.kv_loads)
         if step.empty:
             worker.step = None
             return
         worker.step, worker.step_start = step, self.now
         worker.version += 1
         self._at(self.now + step.duration, self._end_step, worker, worker.version)
+
+    def _pull(self, worker: SimWorker, loads: list[KVLoad]) -> None:
+        """Pull each request's prompt KV from the engine that computed it (T_kv)."""
+        for load in loads:
+            remote = load.request.remote_prefill
+            assert remote is not None
+            source = self.workers[remote.engine_id]
+            done = self.now + t_kv(load.num_tokens, source.profile, worker.profile)
+            self._at(done, self._kv_loaded, worker, load.request.request_id, source, remote.request_id)
 
     def _end_step(self, worker: SimWorker, version: int) -> None:
         if version != worker.version or worker.step is None:
@@ -544,7 +593,7 @@ class Simulation:
         remote = RemotePrefill(prefill.worker_id, "", 0, request.request_id, held, request.num_prompt_tokens)
         decode = Request(f"{request.request_id}-d", session.tokens[: state.plan.task.l_total], state.output_plan,
                          len(state.output_plan), self.now, remote_prefill=remote)  # fmt: skip
-        decode.block_hashes = list(session.block_hashes)
+        decode.block_hashes = self._block_hashes(state)
         self._submit(self.decode_worker(session), decode, state)
 
     def _tokens(
@@ -590,13 +639,12 @@ class Simulation:
         self.records.append(closed.record)
         session.state = closed.state
         session.tokens.extend(request.output_token_ids)
-        session.block_hashes = request.block_hashes
         spec = session.trace.rounds[session.next_round]
         session.next_round += 1
         if session.next_round < len(session.trace.rounds):
             self._at(self.now + spec.tool_latency_s, self._start_round, session)
         else:  # done: its conversation (tens of MB over a long trace) is not needed any more
-            session.tokens, session.block_hashes = [], []
+            session.tokens = []
             self._unfinished -= 1
 
     # -- the elastic controller (gateway.elastic), on the same events as live --------------

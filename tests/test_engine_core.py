@@ -323,3 +323,75 @@ def test_a_request_handed_over_mid_decode_continues_from_the_kv_of_its_first_tok
     assert step.prefills == [(beta, 1)]  # alpha's last token: its KV was never computed
     run(b, 2.0, check=assert_kv_consistent)
     assert alpha.output_token_ids + beta.output_token_ids == plan
+
+
+def fused_decodes(blocks: int = 64) -> tuple[Scheduler, Step]:
+    """Two requests decoding, fused into one step of up to 12 sub-steps."""
+    s = Scheduler(PROFILE, SchedulerConfig(num_blocks=blocks, block_size=16))
+    for i in range(2):
+        s.add_request(make_request(f"d{i}", tokens(40, start=1000 * (i + 1)), out=30))
+    now = 0.0
+    while (step := s.schedule(now, max_decode_steps=12)).num_steps == 1:
+        now += step.duration
+        s.finish_step(step, now)
+    return s, step
+
+
+def test_requests_pulling_their_kv_join_a_fused_step_at_its_boundary_as_single_steps_would_have():
+    """A request that only waits for its prompt's KV is admitted at the boundary of a fused
+    decode step where a real engine would next schedule, and the step goes on: the batch is
+    the same. Its blocks and pull, and every decode's tokens and blocks, are those of the
+    step cut there and run on as single steps."""
+    remote = RemotePrefill("engine-p", "127.0.0.1", 1, "p-req", block_ids=(40, 41, 42, 43))
+    cut, fused = fused_decodes(), fused_decodes()
+    elapsed = (fused[1].boundaries[2] + fused[1].boundaries[3]) / 2  # inside the fourth sub-step
+    for s, _ in (cut, fused):
+        s.add_request(make_request("r", tokens(60, start=7000), out=3, remote_prefill=remote))
+
+    s, step = cut  # the reference: end the step at that boundary, then single steps
+    s.cut(step, elapsed)
+    at = step.duration
+    s.finish_step(step, at)
+    joined = s.schedule(at)
+    loads, now = joined.kv_loads, at + joined.duration
+    s.finish_step(joined, now)
+    while s.running[0].num_output_tokens < fused[1].num_steps + 1:  # + the token before the fused step
+        single = s.schedule(now)
+        now += single.duration
+        s.finish_step(single, now)
+
+    s, step = fused
+    pulls, goes_on = s.admit_during(step, elapsed, now=at)
+    assert goes_on and len(step.boundaries) == 12
+    assert [(p.local_block_ids, p.remote_block_ids, p.num_tokens) for p in pulls] == [
+        (p.local_block_ids, p.remote_block_ids, p.num_tokens) for p in loads
+    ]
+    assert s.waiting[0].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.finish_step(step, step.duration)
+    assert step.duration == pytest.approx(now, rel=1e-12)
+    for mine, theirs in zip(fused[0].running, cut[0].running, strict=True):
+        assert (mine.output_token_ids, mine.block_ids) == (theirs.output_token_ids, theirs.block_ids)
+    assert fused[0].kv.free_queue() == cut[0].kv.free_queue()
+    assert_kv_consistent(fused[0])
+
+
+def test_a_fused_step_ends_at_its_boundary_where_the_batch_would_change():
+    s, step = fused_decodes()
+    s.add_request(make_request("local", tokens(30, start=7000), out=3))  # to prefill here
+    pulls, goes_on = s.admit_during(step, step.boundaries[4], now=1.0)
+    assert (pulls, goes_on) == ([], False) and s.waiting[0].status == RequestStatus.WAITING
+
+    s, step = fused_decodes()
+    remote = RemotePrefill("engine-p", "127.0.0.1", 1, "p-req", block_ids=(40, 41))
+    s.add_request(make_request("r", tokens(30, start=7000), out=3, remote_prefill=remote))
+    pulls, goes_on = s.admit_during(step, step.boundaries[-1], now=1.0)  # the step ends there anyway
+    assert (pulls, goes_on) == ([], False)
+
+    # The pull is taken, but the decodes' later sub-steps no longer find their blocks:
+    # the step ends at the boundary and the next schedule sorts it out.
+    s, step = fused_decodes(blocks=14)
+    free = s.kv.num_free_blocks
+    remote = RemotePrefill("engine-p", "127.0.0.1", 1, "p-req", block_ids=tuple(range(40, 40 + free)))
+    s.add_request(make_request("r", tokens(16 * free - 1, start=7000), out=3, remote_prefill=remote))
+    pulls, goes_on = s.admit_during(step, step.boundaries[0], now=1.0)
+    assert len(pulls) == 1 and not goes_on and s.kv.num_free_blocks == 0

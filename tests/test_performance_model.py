@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 
 import pytest
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.memory import MemoryPlan, fits, kv_capacity_tokens
-from perfmodel.piecewise import fit_piecewise
+from perfmodel.piecewise import Piece, PiecewiseLinear, fit_piecewise
 from perfmodel.profile import PROFILES_DIR, Profile, load_profile, shipped_profiles, t_kv
 from perfmodel.published import compare_dopd_table_i
 from perfmodel.roofline import paper_profiles, roofline_profile
@@ -27,6 +28,26 @@ def test_fit_recovers_a_piecewise_linear_function():
     assert fitted.max_rel_error < 1e-9
     assert fitted(60) == pytest.approx(truth(60)) and fitted(1000) == pytest.approx(truth(1000))
     assert len(fitted.pieces) == 2 and fitted.pieces[0].upto == 100
+
+
+def test_a_run_of_arguments_costs_what_each_call_does_bit_for_bit():
+    """``along`` (the fused decode steps' reads) crosses pieces at their ends, integer ends
+    and fractional ones, exactly where calling the function argument by argument does."""
+    rng = random.Random(4)
+    for _ in range(200):
+        ends = sorted(rng.sample(range(1, 3000), rng.randint(1, 5)))
+        pieces = [Piece(upto=e + rng.choice([0.0, 0.5]), alpha=rng.random(), beta=rng.random() / 1e3) for e in ends]
+        f = PiecewiseLinear(unit="tokens", pieces=[*pieces, Piece(upto=None, alpha=rng.random(), beta=rng.random())])
+        for _ in range(50):
+            start, step, count = rng.randint(1, 3500), rng.randint(1, 300), rng.randint(0, 40)
+            assert f.along(start, step, count) == [f(start + i * step) for i in range(count)]
+    profile = load_profile("llama-3.1-70b_h20_tp4")
+    forward, read = profile.pieces.forward(3), profile.pieces.context_read
+    elapsed, ends = 0.0, []
+    for i in range(64):
+        elapsed += forward + read(5000 + 3 * i)
+        ends.append(elapsed)
+    assert profile.decode_steps(3, 5000, 64) == ends
 
 
 def test_parameter_counts_match_the_model_cards():

@@ -94,11 +94,11 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Has output and only its last sampled token left to compute."""
-        return bool(self.output_token_ids) and self.num_tokens - self.num_computed_tokens == 1
+        return bool(self.output_token_ids) and len(self.token_ids) - self.num_computed_tokens == 1
 
     @property
     def remaining_output_tokens(self) -> int:
-        return min(self.max_tokens, len(self.output_plan)) - self.num_output_tokens
+        return min(self.max_tokens, len(self.output_plan)) - len(self.output_token_ids)
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.salt)
@@ -113,8 +113,9 @@ class Request:
 
     def stop_status(self) -> RequestStatus | None:
         """The finished status after the latest token, or None to keep going."""
-        if self.num_output_tokens >= self.max_tokens:  # vLLM checks the length cap first
+        said = len(self.output_token_ids)
+        if said >= self.max_tokens:  # vLLM checks the length cap first
             return RequestStatus.FINISHED_LENGTH
-        if self.num_output_tokens >= len(self.output_plan):
+        if said >= len(self.output_plan):
             return RequestStatus.FINISHED_STOPPED
         return None

@@ -21,8 +21,10 @@ steps at once. They are fused only when nothing else could change them - every
 request decoding, nothing admissible waiting - and no request can finish before the
 last one, so the fused step equals that many single steps (vLLM's multi-step
 scheduling did the same, with look-ahead KV slots). If work arrives meanwhile, the
-caller cuts the step at the sub-step boundary where a real engine would next have
-scheduled (:meth:`cut`); :meth:`kv_usage` reads the usage mid-step without cutting.
+caller asks at the sub-step boundary where a real engine would next have scheduled:
+requests that only wait there for their prompt's KV join without changing the batch, so
+the step goes on (:meth:`admit_during`); anything else cuts the step there (:meth:`cut`).
+:meth:`kv_usage` reads the usage mid-step without cutting.
 
 Disaggregated prefill follows vLLM's NixlConnector: a ``do_remote_decode`` request
 keeps its blocks after finishing until the decoder has read them
@@ -124,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.held: dict[str, _Hold] = {}
+        self._next_expiry = float("inf")  # no hold expires before this: schedule() scans only then
         self.num_preemptions = 0
         self.num_expired_holds = 0
 
@@ -157,7 +160,8 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
     def schedule(self, now: float, max_decode_steps: int = 1) -> Step:
-        self._expire_holds(now)
+        if now >= self._next_expiry:
+            self._expire_holds(now)
         step = Step()
         if not self.has_work:
             return step
@@ -240,7 +244,7 @@ class Scheduler:
         (:meth:`cut`): taking them now would evict cached prefixes and raise the KV
         usage a scrape sees earlier than k single steps would.
         """
-        k = min(max_steps, min(r.remaining_output_tokens for r in step.decodes))
+        k = min(max_steps, *(r.remaining_output_tokens for r in step.decodes))
         if k < 2 or not self.kv.can_allocate(self._fused_blocks(step, k)):
             return
         context = sum(r.num_computed_tokens for r in step.decodes)
@@ -264,14 +268,53 @@ class Scheduler:
         """Settle a fused step ``elapsed`` seconds after it started: keep the sub-steps a
         real engine would have begun by then, and take their blocks as it would have."""
         step.truncate(elapsed)
+        self._take_fused_blocks(step, step.num_steps)
+
+    def _take_fused_blocks(self, step: Step, k: int) -> None:
+        """The blocks of the first ``k`` sub-steps of a fused ``step``, as single steps would have taken them."""
+        blocks_for = self.kv.blocks_for
         for request in step.decodes:
-            needed = self.kv.blocks_for(request.num_computed_tokens + step.num_steps) - len(request.block_ids)
-            if needed > 0:  # _fuse checked the cache could give this many; nothing allocates meanwhile
+            needed = blocks_for(request.num_computed_tokens + k) - len(request.block_ids)
+            if needed > 0:  # _fuse checked the cache could give this many, admit_during after what it admitted
                 request.block_ids += self.kv.allocate(needed)
+
+    def admit_during(self, step: Step, elapsed: float, now: float) -> tuple[list[KVLoad], bool]:
+        """At the sub-step boundary of a fused ``step`` where a real engine would next schedule
+        (the first ending at or after ``elapsed``; ``now`` is that time), admit what waits
+        there - provided it is only requests whose prompt KV is to be pulled - and let the
+        step go on: :meth:`schedule` at that boundary would park them for their pulls and
+        give the decodes the same batch again. Returns the pulls begun, and whether the step
+        goes on.
+
+        It does not where the batch would change there: a request to prefill here or one the
+        cache cannot take yet, decodes whose next sub-steps would no longer find their
+        blocks, or the step ends at that boundary anyway. What was done by then (holds
+        expired, the decodes' blocks, the pulls of requests admitted before the one that
+        could not be) is what that boundary's schedule would do first too; the caller cuts
+        the step there and schedules the next.
+        """
+        parked = Step()
+        i = bisect_left(step.boundaries, elapsed)
+        if i >= len(step.boundaries) - 1:
+            return parked.kv_loads, False
+        if now >= self._next_expiry:
+            self._expire_holds(now)
+        self._take_fused_blocks(step, i + 1)
+        if len(self.running) >= self.config.max_num_seqs:
+            return parked.kv_loads, False
+        for request in self.waiting:
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            first_admission = request.num_computed_tokens == 0 and not request.block_ids
+            if request.remote_prefill is None or not first_admission:
+                return parked.kv_loads, False
+            if self._admit(request, self.config.max_num_batched_tokens, parked, []) is None:
+                return parked.kv_loads, False
+        return parked.kv_loads, self.kv.can_allocate(self._fused_blocks(step, len(step.boundaries)))
 
     def finish_step(self, step: Step, now: float) -> list[RequestOutput]:
         """Apply a step's results: advance progress, sample planned tokens, finish."""
-        if step.num_steps > 1:
+        if len(step.boundaries) > 1:  # fused: take the blocks of its later sub-steps
             self.cut(step, step.duration)
         outputs: list[RequestOutput] = []
         for request, n in step.prefills:
@@ -282,12 +325,14 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a chunk of a longer prefill: nothing sampled yet
             self._sampled(request, request.append_planned(1), now, outputs)
-        for request in step.decodes:  # each computes its last token, then samples, num_steps times
+        k, block_size = step.num_steps, self.kv.block_size
+        for request in step.decodes:  # each computes its last token, then samples, k times
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += step.num_steps
-            tokens = request.append_planned(step.num_steps)  # a fused step never ends a request early
-            self._cache_computed_blocks(request)
+            request.num_computed_tokens += k
+            tokens = request.append_planned(k)  # a fused step never ends a request early
+            if request.num_computed_tokens // block_size > request.num_cached_blocks:  # a block filled up
+                self._cache_computed_blocks(request)
             self._sampled(request, tokens, now, outputs)
         return outputs
 
@@ -430,7 +475,9 @@ class Scheduler:
         and are never requests already scheduled in this step. Returns False if the
         request itself had to be preempted.
         """
-        needed = max(0, self.kv.blocks_for(request.num_computed_tokens + n) - len(request.block_ids))
+        needed = self.kv.blocks_for(request.num_computed_tokens + n) - len(request.block_ids)
+        if needed <= 0:  # the common case (a decode inside its last block): nothing to take
+            return True
         while not self.kv.can_allocate(needed):
             victim = next(
                 (r for r in reversed(self.running) if r.request_id not in scheduled and r is not request),
@@ -468,7 +515,9 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         if request.do_remote_decode:
             computed = request.token_ids[: request.num_computed_tokens]
-            self.held[request.request_id] = _Hold(request.block_ids, computed, now + self.config.transfer_hold_s)
+            expires_at = now + self.config.transfer_hold_s
+            self.held[request.request_id] = _Hold(request.block_ids, computed, expires_at)
+            self._next_expiry = min(self._next_expiry, expires_at)
             held = tuple(request.block_ids)
             request.block_ids = []
             return RequestOutput(request, tokens, finished=True, held_block_ids=held)
@@ -485,3 +534,4 @@ class Scheduler:
         for request_id in [k for k, h in self.held.items() if h.expires_at <= now]:
             self.release_transfer(request_id)
             self.num_expired_holds += 1
+        self._next_expiry = min((h.expires_at for h in self.held.values()), default=float("inf"))
