@@ -7,11 +7,13 @@ exchange's events as they come. Three APIs share one path (``begin`` reads the r
 chat completions as they are, OpenAI's Responses API (gateway.responses_api) and
 Anthropic's Messages API (gateway.messages_api) translated at the edge into a chat
 body and back. Errors take the shape of the API that was asked: OpenAI's for the
-first two, Anthropic's for ``/v1/messages``.
+first two, Anthropic's for ``/v1/messages``. Chat completions, the hot path, skip
+FastAPI's routing and middleware (:class:`GatewayApp`); every other route goes through them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import gc
@@ -22,7 +24,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -33,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
 
 from gateway import messages_api, responses_api
 from gateway.api import APIError, ChatRequest
@@ -45,6 +48,7 @@ from gateway.rounds import Round
 from gateway.tracing import configure_otlp
 from gateway.upstream import Reply, UpstreamError
 
+CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's API (and its count_tokens): its errors have Anthropic's shape
 CONFIG_ENV = "AMPD_GATEWAY_CONFIG"  # a gateway of several processes: each one's configuration (JSON)
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable
@@ -67,7 +71,81 @@ class Started:
         return self.ex.body["model"]
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayApp(FastAPI):
+    """FastAPI with a short way in for the hot route. A POST to a path registered with
+    :meth:`post_direct` is answered by its endpoint straight from the ASGI call, with
+    the app's own exception handlers: no routing, no middleware, no exception layers
+    wrapping each streamed chunk's ``send`` (README, the hot path). The route is
+    registered with FastAPI as well, so the OpenAPI document describes it as before."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.direct: dict[str, Endpoint] = {}
+
+    def post_direct(self, path: str) -> Callable[[Endpoint], Endpoint]:
+        def register(endpoint: Endpoint) -> Endpoint:
+            self.direct[path] = endpoint
+            return self.post(path)(endpoint)
+
+        return register
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = self.direct.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await endpoint(request)
+        except Exception as exc:
+            handler = self._handler(exc)
+            if handler is None:  # uvicorn answers 500, as Starlette's outermost layer would
+                raise
+            response = await handler(request, exc)
+        await response(scope, receive, send)
+
+    def _handler(self, exc: Exception) -> Callable[[Request, Exception], Awaitable[Response]] | None:
+        """The handler Starlette would pick: the nearest registered class in the exception's MRO."""
+        for cls in type(exc).__mro__:
+            if cls in self.exception_handlers:
+                return self.exception_handlers[cls]
+        return None
+
+
+class EventStream(StreamingResponse):
+    """Starlette's streaming response, but listening for the client's hang-up with one
+    plain task instead of an anyio task group per response. As there, a hang-up
+    cancels the stream - the exchange's generators unwind, the engine request is closed
+    (and so aborted), the round's holds let go - and the response ends quietly."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        hung_up = finished = False
+
+        def cancel(_: asyncio.Future) -> None:
+            nonlocal hung_up
+            if not finished:  # else the receive returned because the response is complete
+                hung_up = True
+                task.cancel()
+
+        listener = asyncio.ensure_future(_disconnect(receive))
+        listener.add_done_callback(cancel)
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not hung_up:  # the server's own cancellation (a shutdown) goes on
+                raise
+            task.uncancel()
+        finally:
+            finished = True
+            listener.cancel()
+
+
+def create_app(config: GatewayConfig) -> GatewayApp:
     gateway = Gateway(config)
 
     @contextlib.asynccontextmanager
@@ -83,7 +161,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await gateway.stop()
         GatewayMetrics.process_exits()
 
-    app = FastAPI(title="ampd gateway", lifespan=lifespan)
+    app = GatewayApp(title="ampd gateway", lifespan=lifespan)
     app.state.gateway = gateway
     app.openapi = lambda: _document(app)  # type: ignore[method-assign]
 
@@ -186,11 +264,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             body["ampd_tool_rounds"] = started.ex.rounds
         return JSONResponse(body, headers=started.headers)
 
-    def streaming(events: AsyncIterator[bytes], started: Started) -> StreamingResponse:
+    def streaming(events: AsyncIterator[bytes], started: Started) -> EventStream:
         gateway.metrics.requests.labels("200").inc()
-        return StreamingResponse(events, media_type="text/event-stream", headers=started.headers)
+        return EventStream(events, media_type="text/event-stream", headers=started.headers)
 
-    @app.post("/v1/chat/completions")
+    @app.post_direct(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
         """OpenAI's chat completions, relayed as the engines speak it."""
         scope, raw = await begin(request)
@@ -322,7 +400,7 @@ def _end_with_parent() -> None:
 
 
 DOCUMENTED_BODIES = {  # the request bodies FastAPI cannot see: the routes read them themselves
-    "/v1/chat/completions": ChatRequest,
+    CHAT_PATH: ChatRequest,
     "/v1/responses": responses_api.ResponsesRequest,
     MESSAGES_PATH: messages_api.MessagesRequest,
     f"{MESSAGES_PATH}/count_tokens": messages_api.CountTokensRequest,
@@ -367,6 +445,12 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     return body
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Returns once the client is gone (the request's body has been read by then)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _relay(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

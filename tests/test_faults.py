@@ -207,14 +207,17 @@ def test_a_killed_prefill_worker_loses_no_queued_task(tmp_path):
         cleanup(prefix)
 
 
-def test_a_client_leaving_mid_stream_aborts_the_engine_request(cluster):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_leaving_mid_stream_aborts_the_engine_request(cluster, path):
     """The client hangs up after a few chunks: the decode worker stops generating and frees
-    the request's KV, and the gateway's prefill queue is free for the next round."""
+    the request's KV, and the gateway's prefill queue is free for the next round. Chat
+    completions are served off FastAPI's routing (gateway.app.GatewayApp), the Messages API
+    through it: both streams notice the hang-up the same way."""
     tmp, prefix, _, decoders = cluster
     gateway = start_gateway(tmp, REDIS_URL, prefix)
     try:
         body = dict(request(f"Leave early {uuid.uuid4().hex}", seed=5), max_tokens=2000, stream=True)
-        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{gateway.url}{path}", json=body, timeout=60) as response:
             worker = worker_of(decoders, response.headers["x-ampd-decode-worker"])
             lines = response.iter_lines()
             for _ in range(10):
