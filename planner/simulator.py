@@ -580,7 +580,8 @@ class Simulation:
         worker.scheduler.finish_kv_load(request_id, ok=True)
         source.scheduler.release_transfer(source_request_id)
         self._kick(worker)
-        self._kick(source)
+        if source.scheduler.has_work:  # the freed blocks may let a waiting request in
+            self._kick(source)
 
     # -- gateway: what comes back -------------------------------------------------------
     def _prefilled(self, prefill: SimWorker, state: RoundState, request: Request, held: tuple[int, ...]) -> None:
