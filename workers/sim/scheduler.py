@@ -253,7 +253,7 @@ class Scheduler:
 
     def _fused_blocks(self, step: Step, k: int) -> int:
         """Blocks the decodes of ``step`` still need to run ``k`` sub-steps."""
-        return sum(max(0, self.kv.blocks_for(r.num_computed_tokens + k) - len(r.block_ids)) for r in step.decodes)
+        return sum(max(0, self._blocks_short(r, k)) for r in step.decodes)
 
     def kv_usage(self, step: Step | None = None, elapsed: float = 0.0) -> float:
         """KV usage as a scrape sees it; ``elapsed`` seconds into a fused ``step``, as if the
@@ -272,9 +272,8 @@ class Scheduler:
 
     def _take_fused_blocks(self, step: Step, k: int) -> None:
         """The blocks of the first ``k`` sub-steps of a fused ``step``, as single steps would have taken them."""
-        blocks_for = self.kv.blocks_for
         for request in step.decodes:
-            needed = blocks_for(request.num_computed_tokens + k) - len(request.block_ids)
+            needed = self._blocks_short(request, k)
             if needed > 0:  # _fuse checked the cache could give this many, admit_during after what it admitted
                 request.block_ids += self.kv.allocate(needed)
 
@@ -305,8 +304,7 @@ class Scheduler:
         for request in self.waiting:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            first_admission = request.num_computed_tokens == 0 and not request.block_ids
-            if request.remote_prefill is None or not first_admission:
+            if request.remote_prefill is None or not self._first_admission(request):
                 return parked.kv_loads, False
             if self._admit(request, self.config.max_num_batched_tokens, parked, []) is None:
                 return parked.kv_loads, False
@@ -423,7 +421,7 @@ class Scheduler:
         None if the cache cannot take it yet (admission never preempts) or the step has
         no room left for it under its time target.
         """
-        first_admission = request.num_computed_tokens == 0 and not request.block_ids
+        first_admission = self._first_admission(request)
         if first_admission:
             request.update_block_hashes(self.kv.block_size)
             hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
@@ -459,6 +457,15 @@ class Scheduler:
         request.block_ids += self.kv.allocate(needed)
         return n
 
+    @staticmethod
+    def _first_admission(request: Request) -> bool:
+        """Never admitted yet: a failed remote load keeps its blocks and resumes instead."""
+        return request.num_computed_tokens == 0 and not request.block_ids
+
+    def _blocks_short(self, request: Request, tokens: int) -> int:
+        """Blocks ``request`` lacks to compute ``tokens`` more tokens (0 or less: none)."""
+        return self.kv.blocks_for(request.num_computed_tokens + tokens) - len(request.block_ids)
+
     def _take(self, request: Request, hits: list[int]) -> None:
         self.kv.touch(hits)
         request.block_ids = list(hits)
@@ -475,7 +482,7 @@ class Scheduler:
         and are never requests already scheduled in this step. Returns False if the
         request itself had to be preempted.
         """
-        needed = self.kv.blocks_for(request.num_computed_tokens + n) - len(request.block_ids)
+        needed = self._blocks_short(request, n)
         if needed <= 0:  # the common case (a decode inside its last block): nothing to take
             return True
         while not self.kv.can_allocate(needed):
