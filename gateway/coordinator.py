@@ -38,6 +38,7 @@ from gateway.outage import RedisHealth
 from gateway.policies import POLICIES
 from gateway.pool import WorkerPool
 from gateway.prefill_queue import PrefillQueues
+from gateway.redis_batch import RedisBatch
 from gateway.round_reads import RoundReads
 from gateway.rounds import Round, RoundRecorder, RoundRunner
 from gateway.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
@@ -71,6 +72,7 @@ class Gateway:
             retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError], driver_info=DriverInfo(),
         )  # fmt: skip
         self.redis = aioredis.Redis(connection_pool=pool)
+        self.batch = RedisBatch(self.redis)
         self.client = EngineClient(config.request_timeout_s)
         rng = random.Random(config.routing_seed)
         policy = POLICIES[config.policy]
@@ -78,7 +80,7 @@ class Gateway:
         self.metrics = GatewayMetrics(roles=self._roles)
         self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
         self.queues = PrefillQueues(
-            self.redis, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
+            self.redis, self.batch, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
             max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=self.health,
             postponements=self.metrics.postponements,
         )  # fmt: skip
@@ -93,7 +95,7 @@ class Gateway:
                 self.metrics, config.alpha, config.beta, config.role_plan,
             )  # fmt: skip
         recorder = RoundRecorder(
-            core, self.redis, self.stats, self.sessions, RoundTracer(), self.metrics, self.health,
+            core, self.redis, self.batch, self.stats, self.sessions, RoundTracer(), self.metrics, self.health,
             self.elastic.demand if self.elastic else None,
         )  # fmt: skip
         self.rounds = RoundRunner(

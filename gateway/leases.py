@@ -16,13 +16,14 @@ import time
 import redis.asyncio as aioredis
 
 from gateway import scripts
+from gateway.redis_batch import RedisBatch
 
 LEASE_S = 10.0  # a dispatched task's hold on its slot, renewed by its replica while it runs
 
 
 class Leases:
-    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
-        self.redis, self.p = redis, prefix
+    def __init__(self, redis: aioredis.Redis, batch: RedisBatch, prefix: str) -> None:
+        self.redis, self.batch, self.p = redis, batch, prefix
         self._free = redis.register_script(scripts.FREE)
         self.running: dict[str, str] = {}  # task id -> worker id, for renewal
         self.unqueued: set[str] = set()  # tasks started without Redis: no slot to free
@@ -49,7 +50,7 @@ class Leases:
             self.unqueued.discard(task_id)
             return False
         keys = [self.key(worker_id), self.task_key(task_id), f"{self.p}:pq:{worker_id}"]
-        return bool(await self._free(keys=keys, args=[task_id]))
+        return bool(await self.batch.script(self._free, keys, [task_id]))
 
     async def renew_forever(self) -> None:
         while True:

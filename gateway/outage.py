@@ -46,13 +46,6 @@ class RedisHealth:
         self.up = False
         self._up.set(0)
 
-    async def execute(self, pipe: aioredis.client.Pipeline, what: str) -> None:
-        """Run writes of shared state (after a round, an exchange): lost, not fatal, while Redis is away."""
-        try:
-            await pipe.execute()
-        except REDIS_DOWN as exc:
-            self.failed(what, exc)
-
     def answered(self) -> None:
         if not self.up:
             log.warning("Redis answers again")

@@ -27,6 +27,7 @@ from gateway import scripts
 from gateway.core import RoundCore, Signals
 from gateway.leases import Leases
 from gateway.outage import REDIS_DOWN, RedisHealth
+from gateway.redis_batch import RedisBatch
 from gateway.reordering import QueuedTask
 from gateway.replicas import RECONCILE_S, Dispatched, Replicas
 from gateway.routing import PrefillTask
@@ -46,6 +47,7 @@ class PrefillQueues:
     def __init__(
         self,
         redis: aioredis.Redis,
+        batch: RedisBatch,
         prefix: str,
         replica_id: str,
         core: RoundCore,
@@ -56,10 +58,10 @@ class PrefillQueues:
         health: RedisHealth,
         postponements: Counter,
     ) -> None:
-        self.redis, self.p, self.core = redis, prefix, core
+        self.redis, self.batch, self.p, self.core = redis, batch, prefix, core
         self.postponements = postponements  # Alg. 2 postponements decided by this replica
         self.slots, self.max_queue, self.task_ttl_s, self.health = slots, max_queue, task_ttl_s, health
-        self.leases = Leases(redis, prefix)
+        self.leases = Leases(redis, batch, prefix)
         self.replicas = Replicas(redis, prefix, replica_id, self.leases, self.release, health)
         self._workers: set[str] = set()
         self._active: set[str] = set()  # workers this replica is dispatching right now
@@ -109,7 +111,7 @@ class PrefillQueues:
         round trip as its session (gateway.round_reads)."""
         ids, wanted = list(worker_ids), list(wanted)
         try:
-            flat = await self._signals(args=self.signals_args(ids, stats, wanted))
+            flat = await self.batch.script(self._signals, (), self.signals_args(ids, stats, wanted))
         except REDIS_DOWN as exc:
             self.health.failed("prefill queue", exc)
             flat = None
@@ -152,10 +154,10 @@ class PrefillQueues:
                 self.leases.key(worker_id), self._tokens(worker_id)]  # fmt: skip
         try:
             try:
-                outcome = await self._enqueue(
-                    keys=keys,
-                    args=[task.task_id, self.task_ttl_s, estimate_s, self.max_queue, now, self.slots,
-                          self.leases.expiry(now), tokens, *flat],
+                outcome = await self.batch.script(
+                    self._enqueue, keys,
+                    [task.task_id, self.task_ttl_s, estimate_s, self.max_queue, now, self.slots,
+                     self.leases.expiry(now), tokens, *flat],
                 )  # fmt: skip
                 if outcome == -1:
                     raise QueueFull(f"the prefill queue of {worker_id} is full ({self.max_queue})")
@@ -219,8 +221,8 @@ class PrefillQueues:
         """True: a task was dispatched; False: the commit lost a race; None: nothing to do."""
         now = time.time()
         task_prefix = self.leases.task_key("")
-        reply = await self._peek(
-            keys=[self.leases.key(worker_id), self._q(worker_id)], args=[now, self.core.window_size, task_prefix]
+        reply = await self.batch.script(
+            self._peek, [self.leases.key(worker_id), self._q(worker_id)], [now, self.core.window_size, task_prefix]
         )
         busy, rest = int(reply[0]), reply[1:]
         if busy >= self.slots or not rest:
@@ -250,9 +252,10 @@ class PrefillQueues:
         chosen, record = ids[head], fields[head]
         args = [now, self.slots, self.leases.expiry(now), chosen, record["estimate"], task_prefix, len(ids), *ids]
         args += [ids[i] for i in decision.order[1:]] + ["|"] + [ids[i] for i in decision.postponed]
-        committed = await self._commit(
-            keys=[self.leases.key(worker_id), self._q(worker_id), self._cost(worker_id), self._tokens(worker_id)],
-            args=args,
+        committed = await self.batch.script(
+            self._commit,
+            [self.leases.key(worker_id), self._q(worker_id), self._cost(worker_id), self._tokens(worker_id)],
+            args,
         )
         if int(committed) == 0:
             return None  # the last slot went to someone else

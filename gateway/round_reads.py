@@ -54,8 +54,8 @@ class RoundReads:
         wanted = signal_series(worker_ids)
         keys, args = self.sessions.open_args(scope, explicit, hashes)
         try:
-            found, read_id, flat, raw, loads = await self._open(
-                keys=keys, args=[*args, *self.queues.signals_args(worker_ids, self.stats, wanted)]
+            found, read_id, flat, raw, loads = await self.queues.batch.script(
+                self._open, keys, [*args, *self.queues.signals_args(worker_ids, self.stats, wanted)]
             )
         except REDIS_DOWN as exc:
             self.health.failed("session", exc)

@@ -27,9 +27,10 @@ from gateway.elastic_live import DemandLog
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
-from gateway.outage import RedisHealth
+from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.pool import LiveWorker, WorkerPool
 from gateway.prefill_queue import PrefillQueues, QueueFull
+from gateway.redis_batch import RedisBatch
 from gateway.sessions import SessionStore, round_key, shallow
 from gateway.stats import WindowedStats
 from gateway.tool_loop import ClientView
@@ -233,6 +234,7 @@ class RoundRecorder:
         self,
         core: RoundCore,
         redis: aioredis.Redis,
+        batch: RedisBatch,
         stats: WindowedStats,
         sessions: SessionStore,
         tracer: RoundTracer,
@@ -240,16 +242,16 @@ class RoundRecorder:
         health: RedisHealth,
         demand: DemandLog | None = None,
     ) -> None:
-        self.core, self.redis, self.stats, self.sessions = core, redis, stats, sessions
+        self.core, self.redis, self.batch, self.stats, self.sessions = core, redis, batch, stats, sessions
         self.tracer, self.metrics, self.health, self.demand = tracer, metrics, health, demand
 
     async def arrived(self, r: Round) -> None:
         """A round arrived: the load the elastic controller forecasts from, where it runs."""
         if self.demand is None:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            self.demand.arrived(pipe, r.plan.tokens, r.plan.task.l_total, time.time())
-            await self.health.execute(pipe, "round demand")
+        pipe = self.redis.pipeline(transaction=False)
+        self.demand.arrived(pipe, r.plan.tokens, r.plan.task.l_total, time.time())
+        await self._send(pipe, "round demand")
 
     async def record(self, ex: Exchange, r: Round, reply: Reply) -> None:
         """What the core says the round changed: the session's state, the windowed
@@ -292,7 +294,14 @@ class RoundRecorder:
         """Send the writes staged on ``ex.writes`` (lost, not fatal, while Redis is away)."""
         pipe, ex.writes = ex.writes, None
         if pipe is not None:
-            await self.health.execute(pipe, what)
+            await self._send(pipe, what)
+
+    async def _send(self, pipe: aioredis.client.Pipeline, what: str) -> None:
+        """Writes of shared state, with other rounds' commands: lost, not fatal, while Redis is away."""
+        try:
+            await self.batch.pipeline(pipe)
+        except REDIS_DOWN as exc:
+            self.health.failed(what, exc)
 
     def _trace(self, ex: Exchange, r: Round, reply: Reply, record: RoundRecord) -> None:
         """The round's spans (gateway.tracing), under the session's span."""

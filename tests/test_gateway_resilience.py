@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.policies import POLICIES
 from gateway.prefill_queue import PrefillQueues
+from gateway.redis_batch import RedisBatch
 from gateway.replicas import ALIVE_S, RECONCILE_S
 from gateway.round_reads import RoundReads
 from gateway.routing import PrefillTask
@@ -45,8 +46,8 @@ def replica_queues(prefix: str, replica: str, client: aioredis.Redis, policy: st
     """One replica's prefill queues, in this process, with one slot per worker."""
     metrics = GatewayMetrics(roles=list)
     health = RedisHealth(metrics.redis_up, metrics.redis_errors)
-    return PrefillQueues(client, prefix, replica, RoundCore(POLICIES[policy]), slots=1, max_queue=8, task_ttl_s=60,
-                         health=health, postponements=metrics.postponements)  # fmt: skip
+    return PrefillQueues(client, RedisBatch(client), prefix, replica, RoundCore(POLICIES[policy]), slots=1,
+                         max_queue=8, task_ttl_s=60, health=health, postponements=metrics.postponements)  # fmt: skip
 
 
 def cleanup(prefix: str) -> None:

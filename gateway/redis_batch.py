@@ -1,0 +1,108 @@
+"""Redis commands of concurrent rounds sent together, one pipeline at a time.
+
+Each command a round sends alone costs this process a socket write and read, a pooled
+connection taken and given back, and a timeout armed: measured with redis-py 8.1 and
+hiredis here, ~200 us of CPU for a one-line script whether callers take turns or 64 of
+them run at once, against ~50 us a command inside a pipeline of 64. With hundreds of
+rounds in flight the gateway's Redis commands were a quarter of its CPU, four round
+trips a round.
+
+So the request path's commands (a round's open, its prefill's enqueue and slot, the
+writes that close it) are queued and sent as one pipeline: at the next turn of the
+event loop when none is out, else as soon as the one out is back - what arrives while
+Redis answers goes together, the more the busier the gateway (as ioredis'
+auto-pipelining and Nagle's algorithm do). A command alone goes out one turn later.
+Each caller gets its own replies or its own error; its commands stay in order and in
+one batch. A caller that stops waiting (a client that hung up) does not take its
+commands back: they were, or will be, sent.
+
+Measured (`ampd bench overhead --arms direct,ampd`, alternated with the code before,
+three runs each): CPU per request -20% at 64 streams, -13% at 256 against one pipeline
+per loop turn with several out at once, which itself was -2% / -9% against a round
+trip per command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+Command = tuple[tuple[Any, ...], dict[str, Any]]  # redis-py's staged form: (args, options)
+
+
+class RedisBatch:
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._queued: list[tuple[list[Command], asyncio.Future[list[Any]]]] = []
+        self._sending: set[asyncio.Task] = set()
+
+    async def script(self, script: AsyncScript, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
+        """``script(keys=keys, args=args)``, sent with this turn's other commands. A script
+        Redis no longer has (it restarted) is loaded and run again on its own."""
+        command = (("EVALSHA", script.sha, len(keys), *keys, *args), {})
+        (reply,) = await self._send([command])
+        if isinstance(reply, NoScriptError):
+            return await script(keys=keys, args=args)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def pipeline(self, pipe: aioredis.client.Pipeline) -> list[Any]:
+        """The commands staged on ``pipe`` (never executed itself), sent with this turn's
+        other commands; their replies, or the first error, as ``pipe.execute()`` gives them."""
+        commands, pipe.command_stack = list(pipe.command_stack), []
+        if not commands:
+            return []
+        replies = await self._send(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _send(self, commands: list[Command]) -> asyncio.Future[list[Any]]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        if not self._queued and not self._sending:
+            loop.call_soon(self._flush)
+        self._queued.append((commands, future))
+        return future
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        task = asyncio.get_running_loop().create_task(self._execute(queued))
+        self._sending.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if self._queued:
+            self._flush()
+
+    async def _execute(self, queued: list[tuple[list[Command], asyncio.Future[list[Any]]]]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for commands, _ in queued:
+            for args, options in commands:
+                pipe.execute_command(*args, **options)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:  # Redis away, or the gateway stopping: every caller hears it
+            for _, future in queued:
+                if future.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        at = 0
+        for commands, future in queued:
+            if not future.done():
+                future.set_result(replies[at : at + len(commands)])
+            at += len(commands)

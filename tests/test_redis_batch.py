@@ -1,0 +1,119 @@
+"""The request path's Redis commands, batched (gateway.redis_batch), against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from ampd.local_redis import free_port
+from gateway.outage import REDIS_DOWN
+from gateway.redis_batch import RedisBatch
+
+REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
+
+ECHO = "redis.call('INCR', KEYS[1]) return ARGV[1]"
+FAILS = "return redis.error_reply('refused ' .. ARGV[1])"
+
+
+@pytest.fixture
+def prefix():
+    name = f"batch-{uuid.uuid4().hex[:8]}"
+    yield name
+    r = redis.Redis.from_url(REDIS_URL)
+    keys = list(r.scan_iter(match=f"{name}:*"))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+def test_concurrent_callers_share_pipelines_and_each_gets_its_own_reply(prefix):
+    """200 callers at once: each gets its own reply, every command ran once, and the
+    commands went out one pipeline at a time (a pool of one connection was enough: sent
+    one by one, they need a connection each at once); a caller whose
+    script fails gets its error, the others their replies; a caller that stopped waiting
+    does not keep its command from running."""
+
+    async def scenario() -> None:
+        one = aioredis.ConnectionPool.from_url(REDIS_URL, decode_responses=True, max_connections=1)
+        client = aioredis.Redis(connection_pool=one)
+        batch = RedisBatch(client)
+        echo, fails = client.register_script(ECHO), client.register_script(FAILS)
+        counter = f"{prefix}:n"
+        try:
+            await echo(keys=[counter], args=["load"])
+            replies = await asyncio.gather(*(batch.script(echo, [counter], [f"r{i}"]) for i in range(200)))
+            assert replies == [f"r{i}" for i in range(200)]
+            assert int(await client.get(counter)) == 201
+
+            calls = [
+                batch.script(echo, [counter], ["a"]),
+                batch.script(fails, [], ["b"]),
+                batch.script(echo, [counter], ["c"]),
+            ]
+            mixed = await asyncio.gather(*calls, return_exceptions=True)
+            assert mixed[0] == "a" and mixed[2] == "c"
+            assert isinstance(mixed[1], ResponseError) and "refused b" in str(mixed[1])
+
+            gone = asyncio.ensure_future(batch.script(echo, [counter], ["gone"]))
+            await asyncio.sleep(0)
+            gone.cancel()
+            assert await batch.script(echo, [counter], ["after"]) == "after"
+            assert int(await client.get(counter)) == 201 + 2 + 2
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_staged_pipeline_goes_with_the_batch_and_fails_as_execute_would(prefix):
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        batch = RedisBatch(client)
+        try:
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(f"{prefix}:h", mapping={"a": "1", "b": "2"})
+            pipe.hgetall(f"{prefix}:h")
+            pipe.incr(f"{prefix}:n")
+            assert await batch.pipeline(pipe) == [2, {"a": "1", "b": "2"}, 1]
+            assert pipe.command_stack == []
+            assert await batch.pipeline(client.pipeline(transaction=False)) == []
+
+            bad = client.pipeline(transaction=False)
+            bad.incr(f"{prefix}:h")  # a hash: WRONGTYPE
+            bad.incr(f"{prefix}:n")
+            with pytest.raises(ResponseError, match="WRONGTYPE"):
+                await batch.pipeline(bad)
+            assert await client.get(f"{prefix}:n") == "2"  # the rest of the batch ran
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_script_redis_forgot_is_loaded_again_and_redis_away_reaches_every_caller(prefix):
+    """After SCRIPT FLUSH (a Redis restarted empty) the script is loaded and runs; with
+    Redis away every caller of the batch hears it as the gateway's outage errors."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        batch = RedisBatch(client)
+        echo = client.register_script(ECHO)
+        try:
+            await client.script_flush()
+            assert await batch.script(echo, [f"{prefix}:n"], ["back"]) == "back"
+        finally:
+            await client.aclose()
+
+        away = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", decode_responses=True)
+        batch = RedisBatch(away)
+        echo = away.register_script(ECHO)
+        outcomes = await asyncio.gather(*(batch.script(echo, ["k"], [i]) for i in range(5)), return_exceptions=True)
+        assert all(isinstance(o, REDIS_DOWN) for o in outcomes), outcomes
+        await away.aclose()
+
+    asyncio.run(scenario())
