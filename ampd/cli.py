@@ -543,5 +543,54 @@ def profile_check() -> None:
     console.print(f"mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}")
 
 
+@profile_app.command("kernels")
+def profile_kernels(
+    model: Annotated[str, typer.Option(help=f"a dense model: one of {', '.join(MODELS)}")] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help=f"the roofline's GPU: one of {', '.join(GPUS)}")] = "H100",
+    out: Annotated[Path | None, typer.Option(help="write measurements and comparison here (JSON)")] = None,
+    device: Annotated[str, typer.Option(help="torch device to time on (cpu: tests only)")] = "cuda",
+    measured: Annotated[
+        Path | None, typer.Option(help="compare these measurements (planner/profiler/kernels.py's JSON) instead")
+    ] = None,
+    layers: Annotated[int | None, typer.Option(help="allocate at most this many layers (scaled up)")] = None,
+    repeats: int = 10,
+) -> None:
+    """Time the model's prefill and decode kernels with PyTorch (TP 1) next to the roofline's price."""
+    from dataclasses import asdict
+
+    from planner.profiler.kernels import Shape, check_shape, compare, measure
+
+    if model not in MODELS or gpu not in GPUS:
+        raise typer.BadParameter(f"unknown model or GPU; models: {', '.join(MODELS)}; GPUs: {', '.join(GPUS)}")
+    spec = MODELS[model]
+    try:
+        if measured is not None:
+            raw = json.loads(measured.read_text())
+            check_shape(raw, spec)
+        else:
+            with console.status("timing kernels") as status:
+                raw = measure(Shape.from_dict(spec.model_dump()), device=device, layers=layers, repeats=repeats,
+                              progress=status.update)  # fmt: skip
+    except (RuntimeError, ValueError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    rows = compare(raw, spec, GPUS[gpu])
+    table = Table("step", "measured", "roofline - overhead", "measured / roofline", "TFLOP/s", "TB/s",
+                  title=f"{model} on {raw['device']} (TP 1) vs the {gpu} roofline")  # fmt: skip
+    for r in rows:
+        step = f"prefill {r.tokens:,}" if r.kind == "prefill" else f"decode b={r.tokens} c={r.context:,}"
+        table.add_row(step, f"{r.measured_s * 1e3:.2f} ms", f"{r.predicted_s * 1e3:.2f} ms", f"{r.ratio:.2f}",
+                      f"{r.tflops:.0f}", f"{r.tbps:.2f}")  # fmt: skip
+    console.print(table)
+    for point in raw["prefill"] + raw["decode"]:
+        if "error" in point:
+            console.print(f"[red]not timed: {point}[/red]")
+    if out is not None:
+        comparison = [{**asdict(r), "ratio": r.ratio} for r in rows]
+        document = {**raw, "model": model, "roofline_gpu": gpu, "comparison": comparison}
+        out.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {out}")
+
+
 if __name__ == "__main__":
     app()

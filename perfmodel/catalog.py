@@ -109,6 +109,20 @@ GPUS: dict[str, GPUSpec] = {
             ),
         ),
         GPUSpec(
+            name="H200",
+            memory_bytes=141 * GiB,
+            hbm_bandwidth=4.8 * TB,
+            peak_flops={"bf16": 989.4e12, "fp16": 989.4e12, "fp8": 1978.9e12},
+            intra_node_bandwidth=450 * GB,
+            network_bandwidth=50 * GB,
+            source=(
+                "NVIDIA H200 SXM datasheet: 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS BF16 and "
+                "1979 TFLOPS FP8 dense (the H100's compute), NVLink 900 GB/s bidirectional "
+                "(450 GB/s each way); one 400 Gb/s NIC per GPU (50 GB/s). nvidia-smi shows "
+                "143,771 MiB. Its profiles are derived on demand, not shipped"
+            ),
+        ),
+        GPUSpec(
             name="H20",
             memory_bytes=96 * GiB,
             hbm_bandwidth=4.0 * TB,
