@@ -38,7 +38,7 @@ from gateway.outage import RedisHealth
 from gateway.policies import POLICIES
 from gateway.pool import WorkerPool
 from gateway.prefill_queue import PrefillQueues
-from gateway.redis_batch import RedisBatch
+from gateway.redis_batch import PackedConnection, RedisBatch
 from gateway.round_reads import RoundReads
 from gateway.rounds import Round, RoundRecorder, RoundRunner
 from gateway.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
@@ -71,6 +71,8 @@ class Gateway:
             config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
             retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError], driver_info=DriverInfo(),
         )  # fmt: skip
+        if pool.connection_class is aioredis.Connection:  # TCP (TLS and unix sockets pack as redis-py does)
+            pool.connection_class = PackedConnection
         self.redis = aioredis.Redis(connection_pool=pool)
         self.batch = RedisBatch(self.redis)
         self.client = EngineClient(config.request_timeout_s)

@@ -30,9 +30,24 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import DataError, NoScriptError
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]  # redis-py's staged form: (args, options)
+
+
+class PackedConnection(aioredis.Connection):
+    """redis-py's asyncio connection, packing commands with hiredis' C packer as its
+    synchronous client does (``HiredisRespSerializer``) instead of in Python: a round's
+    commands carry ~120 arguments (its conversation's keys, the signals of every
+    candidate worker, the session's fields), 63 against 20 us for a 32-argument script
+    call here. Same bytes on the wire."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return _PACKER.pack(*args)
+
+
+_PACKER = HiredisRespSerializer()
 
 
 class RedisBatch:
@@ -90,14 +105,17 @@ class RedisBatch:
                 pipe.execute_command(*args, **options)
         try:
             replies = await pipe.execute(raise_on_error=False)
+        except DataError as exc:
+            if len(queued) > 1:
+                # A caller's arguments Redis cannot take, found before anything was sent: the
+                # others must not fail with it, so each caller's commands go on their own.
+                for one in queued:
+                    await self._execute([one])
+            else:
+                _fail(queued, exc)
+            return
         except BaseException as exc:  # Redis away, or the gateway stopping: every caller hears it
-            for _, future in queued:
-                if future.done():
-                    continue
-                if isinstance(exc, asyncio.CancelledError):
-                    future.cancel()
-                else:
-                    future.set_exception(exc)
+            _fail(queued, exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -106,3 +124,13 @@ class RedisBatch:
             if not future.done():
                 future.set_result(replies[at : at + len(commands)])
             at += len(commands)
+
+
+def _fail(queued: list[tuple[list[Command], asyncio.Future[list[Any]]]], exc: BaseException) -> None:
+    for _, future in queued:
+        if future.done():
+            continue
+        if isinstance(exc, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(exc)

@@ -8,11 +8,11 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from ampd.local_redis import free_port
 from gateway.outage import REDIS_DOWN
-from gateway.redis_batch import RedisBatch
+from gateway.redis_batch import PackedConnection, RedisBatch
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 
@@ -35,11 +35,14 @@ def test_concurrent_callers_share_pipelines_and_each_gets_its_own_reply(prefix):
     """200 callers at once: each gets its own reply, every command ran once, and the
     commands went out one pipeline at a time (a pool of one connection was enough: sent
     one by one, they need a connection each at once); a caller whose
-    script fails gets its error, the others their replies; a caller that stopped waiting
+    script fails, or whose arguments cannot be sent, gets its error, the others their
+    replies; a caller that stopped waiting
     does not keep its command from running."""
 
     async def scenario() -> None:
-        one = aioredis.ConnectionPool.from_url(REDIS_URL, decode_responses=True, max_connections=1)
+        one = aioredis.ConnectionPool.from_url(
+            REDIS_URL, decode_responses=True, max_connections=1, connection_class=PackedConnection
+        )
         client = aioredis.Redis(connection_pool=one)
         batch = RedisBatch(client)
         echo, fails = client.register_script(ECHO), client.register_script(FAILS)
@@ -59,11 +62,16 @@ def test_concurrent_callers_share_pipelines_and_each_gets_its_own_reply(prefix):
             assert mixed[0] == "a" and mixed[2] == "c"
             assert isinstance(mixed[1], ResponseError) and "refused b" in str(mixed[1])
 
+            # An argument Redis cannot take (found before sending) fails its caller alone.
+            calls = [batch.script(echo, [counter], ["d"]), batch.script(echo, [counter], [None])]
+            unsent = await asyncio.gather(*calls, return_exceptions=True)
+            assert unsent[0] == "d" and isinstance(unsent[1], DataError), unsent
+
             gone = asyncio.ensure_future(batch.script(echo, [counter], ["gone"]))
             await asyncio.sleep(0)
             gone.cancel()
             assert await batch.script(echo, [counter], ["after"]) == "after"
-            assert int(await client.get(counter)) == 201 + 2 + 2
+            assert int(await client.get(counter)) == 201 + 2 + 1 + 2
         finally:
             await client.aclose()
 
@@ -117,3 +125,18 @@ def test_a_script_redis_forgot_is_loaded_again_and_redis_away_reaches_every_call
         await away.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.unit
+def test_commands_are_packed_by_hiredis_into_the_bytes_redis_py_would_send():
+    python, packed = aioredis.Connection(), PackedConnection()
+    values = ["a", "ünïcode ✓", b"\x00bytes", 0, -1, 2**63, 1.5, -0.0, 1e-300, 0.1 + 0.2, 1e22, 1795670729.7399, ""]
+    for value in [*values, "x" * 100_000]:
+        command = ("EVALSHA", "f" * 40, 2, "k1", "k2", value)
+        assert b"".join(packed.pack_command(*command)) == b"".join(python.pack_command(*command)), value
+    assert b"".join(packed.pack_command("CONFIG GET", "maxmemory")) == b"".join(
+        python.pack_command("CONFIG GET", "maxmemory")
+    )
+    for bad in (None, True, [1]):
+        with pytest.raises(DataError):
+            packed.pack_command("SET", "k", bad)
