@@ -33,11 +33,11 @@ def prefix():
 
 def test_concurrent_callers_share_pipelines_and_each_gets_its_own_reply(prefix):
     """200 callers at once: each gets its own reply, every command ran once, and the
-    commands went out one pipeline at a time (a pool of one connection was enough: sent
-    one by one, they need a connection each at once); a caller whose
-    script fails, or whose arguments cannot be sent, gets its error, the others their
-    replies; a caller that stopped waiting
-    does not keep its command from running."""
+    commands went out one at a time - the first alone, the rest as one pipeline behind it
+    (a pool of one connection was enough: sent one by one, they need a connection each at
+    once); a caller whose script fails, or whose arguments cannot be sent, gets its error,
+    the others their replies; a caller that stopped waiting while queued does not keep its
+    command from running."""
 
     async def scenario() -> None:
         one = aioredis.ConnectionPool.from_url(
@@ -67,11 +67,14 @@ def test_concurrent_callers_share_pipelines_and_each_gets_its_own_reply(prefix):
             unsent = await asyncio.gather(*calls, return_exceptions=True)
             assert unsent[0] == "d" and isinstance(unsent[1], DataError), unsent
 
+            first = asyncio.ensure_future(batch.script(echo, [counter], ["first"]))
+            await asyncio.sleep(0)  # first is out: what comes next waits for it
             gone = asyncio.ensure_future(batch.script(echo, [counter], ["gone"]))
             await asyncio.sleep(0)
             gone.cancel()
+            assert await first == "first"
             assert await batch.script(echo, [counter], ["after"]) == "after"
-            assert int(await client.get(counter)) == 201 + 2 + 1 + 2
+            assert gone.cancelled() and int(await client.get(counter)) == 201 + 2 + 1 + 3
         finally:
             await client.aclose()
 
