@@ -89,7 +89,7 @@ class Gateway:
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
         self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
         self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
-        self.reads = RoundReads(self.redis, self.sessions, self.queues, self.stats, self.health)
+        self.reads = RoundReads(self.batch, self.sessions, self.queues, self.stats, self.health)
         self.elastic = None
         if policy.elastic is not None:
             self.elastic = ElasticLoop(

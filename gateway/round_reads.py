@@ -19,12 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from gateway import scripts
 from gateway.core import Signals, signal_series
 from gateway.outage import REDIS_DOWN, RedisHealth
 from gateway.prefill_queue import PrefillQueues
+from gateway.redis_batch import RedisBatch
 from gateway.sessions import Session, SessionStore
 from gateway.stats import WindowedStats
 
@@ -39,14 +38,15 @@ class Opened:
 class RoundReads:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        batch: RedisBatch,
         sessions: SessionStore,
         queues: PrefillQueues,
         stats: WindowedStats,
         health: RedisHealth,
     ) -> None:
         self.sessions, self.queues, self.stats, self.health = sessions, queues, stats, health
-        self._open = redis.register_script(scripts.OPEN)
+        self.batch = batch
+        self._open = batch.redis.register_script(scripts.OPEN)
 
     async def read(self, scope: str, explicit: str | None, hashes: Sequence[str], worker_ids: list[str]) -> Opened:
         """The session (``explicit``: the id the client gave; else inferred from ``hashes``,
@@ -54,7 +54,7 @@ class RoundReads:
         wanted = signal_series(worker_ids)
         keys, args = self.sessions.open_args(scope, explicit, hashes)
         try:
-            found, read_id, flat, raw, loads = await self.queues.batch.script(
+            found, read_id, flat, raw, loads = await self.batch.script(
                 self._open, keys, [*args, *self.queues.signals_args(worker_ids, self.stats, wanted)]
             )
         except REDIS_DOWN as exc:

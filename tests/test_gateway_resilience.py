@@ -221,7 +221,7 @@ def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_
         health = RedisHealth(metrics.redis_up, metrics.redis_errors)
         sessions = SessionStore(client, prefix, 60, health)
         queues = replica_queues(prefix, "a", client, "ampd")
-        return sessions, RoundReads(client, sessions, queues, WindowedStats(prefix, 10), health)
+        return sessions, RoundReads(queues.batch, sessions, queues, WindowedStats(prefix, 10), health)
 
     async def save(sessions: SessionStore, client: aioredis.Redis, session: Session) -> None:
         pipe = client.pipeline(transaction=False)
