@@ -50,7 +50,8 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
     """A private Redis is killed and started again, empty, on the same port: the next
     scheduled beat (one third of the TTL) lists the worker again over a fresh connection.
     Then Redis is frozen (SIGSTOP): each beat gives up after a quarter of the TTL and is
-    tried again a moment later, rather than waiting out redis-py's retries."""
+    tried again a moment later, rather than waiting out redis-py's retries; a worker that
+    stops meanwhile gives up its goodbye within the TTL instead of hanging."""
     binary = server_binary()
     assert binary is not None, "the test needs a redis-server of its own to kill"
     port = free_port()
@@ -63,7 +64,7 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
         def emit(self, record: logging.LogRecord) -> None:
             failures.append(time.monotonic())
 
-    async def scenario() -> tuple[float, float]:
+    async def scenario() -> tuple[float, float, float]:
         nonlocal server
         redis = heartbeat_client(server.url)
         beat = asyncio.create_task(Registration(redis, "restart", info, ttl_s=ttl_s).run())
@@ -73,7 +74,8 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
         await asyncio.sleep(0.2)
         server = start_private_redis(binary, port, tmp_path)
         answering = time.monotonic()
-        async with aioredis.from_url(server.url, decode_responses=True) as reader:
+        # A socket timeout, so that a reader stuck on the new server fails with its cause.
+        async with aioredis.from_url(server.url, decode_responses=True, socket_timeout=5) as reader:
             while not await live_workers(reader, "restart"):
                 assert time.monotonic() - answering < 5.0, "the entry never came back"
                 await asyncio.sleep(0.02)
@@ -81,18 +83,19 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
         os.kill(server.process.pid, signal.SIGSTOP)
         frozen = time.monotonic()
         await asyncio.sleep(ttl_s)
-        os.kill(server.process.pid, signal.SIGCONT)
-        beat.cancel()
+        beat.cancel()  # the worker stops while Redis is still frozen: its goodbye gives up
         await asyncio.gather(beat, return_exceptions=True)
+        stopped_after = time.monotonic() - frozen - ttl_s
+        os.kill(server.process.pid, signal.SIGCONT)
         await redis.aclose()
-        return back_after, frozen
+        return back_after, frozen, stopped_after
 
     handler = Failures(logging.WARNING)
     logging.getLogger("workers.registry").addHandler(handler)
     try:
         # Bounded, so that a hang (seen once in a full run, never alone) fails with the
         # traceback of the await it hung in rather than pytest-timeout's idle event loop.
-        back_after, frozen = asyncio.run(asyncio.wait_for(scenario(), 60))
+        back_after, frozen, stopped_after = asyncio.run(asyncio.wait_for(scenario(), 60))
     finally:
         logging.getLogger("workers.registry").removeHandler(handler)
         os.kill(server.process.pid, signal.SIGCONT)
@@ -100,3 +103,4 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
     assert back_after < ttl_s / 3 + 0.5
     during_stall = [t - frozen for t in failures if t > frozen]
     assert len(during_stall) >= 2 and during_stall[0] < ttl_s / 3 + ttl_s / 4 + 0.5, during_stall
+    assert stopped_after < ttl_s + 1.0  # the goodbye is bounded by the TTL: the entry lapses by then

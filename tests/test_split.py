@@ -27,6 +27,7 @@ from gateway.split_point import (
     beta_time,
     finish_time,
     handoff_point,
+    recompute_time,
     split_route,
 )
 from perfmodel.profile import load_profile
@@ -90,9 +91,32 @@ def test_a_loaded_prefill_engine_leaves_the_round_local_and_a_loaded_decode_engi
     for rule in (split_route, alg1_route):
         busy_prefill = context(3000, 3400, p_queue=10.0)
         assert rule(busy_prefill).kind == "local"
-        busy_decode = context(3000, 3400, d_queue=10.0)
+        busy_decode = context(3000, 3400, d_queue=10.0, cached_tokens=3000)
         chosen = rule(busy_decode)
         assert (chosen.kind, chosen.split_at) == ("remote", None)
+
+
+@pytest.mark.unit
+def test_dynaserve_charges_a_remote_prefill_the_history_it_recomputes():
+    """A prefill engine without the session's history recomputes it: work no engine would do
+    were the round local, which at saturation delays the rounds queued behind it. The round
+    goes remote only where it finishes sooner by more than that work, split or whole."""
+    warm = context(3000, 3400, d_queue=3.0, cached_tokens=3000)
+    assert recompute_time(warm, warm.prefills[0], 3400) == 0.0
+    assert split_route(warm).kind == "remote"
+    cold = context(3000, 3400, d_queue=3.0)
+    prefill = cold.prefills[0]
+    recompute = recompute_time(cold, prefill, 3400)
+    assert recompute > 0.5 and recompute_time(cold, prefill, 3000) == 0.0
+    assert recompute_time(cold, prefill, 3200) == pytest.approx(recompute, rel=0.01)  # a split recomputes it too
+    # Sent whole it would finish first, but not by the history's recompute: it stays local.
+    whole, local = finish_time(cold, prefill, 3400), finish_time(cold, prefill, 3000)
+    assert whole < local < whole + recompute
+    assert split_route(cold).kind == "local" and split_route(context(3000, 3400, d_queue=30.0)).kind == "local"
+    # A short history under a long increment is worth recomputing to skip the queue.
+    short = context(400, 3400, d_queue=3.0)
+    assert 0.0 < recompute_time(short, short.prefills[0], 3400) < finish_time(short, short.prefills[0], 400) - 3.0
+    assert split_route(short).kind == "remote"
 
 
 @pytest.mark.unit

@@ -142,8 +142,11 @@ class Registration:
                 landed = await self._beat()
                 await asyncio.sleep(self.ttl_s / 3 if landed else RETRY_AFTER_FAILURE_S)
         finally:
+            # A frozen Redis must not hold up the worker's shutdown: past the TTL the entry
+            # has lapsed anyway. TimeoutError is an OSError.
             with contextlib.suppress(aioredis.RedisError, OSError):
-                await asyncio.shield(deregister(self.redis, self.prefix, self.info.worker_id))
+                async with asyncio.timeout(self.ttl_s):
+                    await asyncio.shield(deregister(self.redis, self.prefix, self.info.worker_id))
 
     async def drain(self) -> None:
         """Announce now, not at the next beat, that this worker takes no new work."""

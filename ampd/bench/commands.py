@@ -298,7 +298,9 @@ def bench_paper(
 
 @bench_app.command("split")
 def bench_split(
-    workloads: Annotated[str, typer.Option(help="traces, comma-separated, each at its knee")] = "toolbench,hotpotqa",
+    workloads: Annotated[
+        str, typer.Option(help="traces, comma-separated, each at its knee")
+    ] = "toolbench,hotpotqa,dureader",
     rules: Annotated[str, typer.Option(help="ITL rules, comma-separated: mean, p95, max")] = "mean,p95",
     scales: Annotated[str, typer.Option(help="SLO scales, comma-separated")] = "3,5",
     model: ModelOption = "llama-3.1-70b",
