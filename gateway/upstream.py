@@ -183,9 +183,9 @@ class EngineClient:
         ``transform``, each chunk is relayed as it rewrites it (or dropped)."""
         options = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = dict(body, stream=True, stream_options=options)
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": request_id, **_JSON}
         try:
-            async with self.http.post(f"{url}/v1/chat/completions", json=upstream_body, headers=headers) as r:
+            async with self.http.post(f"{url}/v1/chat/completions", data=_json(upstream_body), headers=headers) as r:
                 if r.status != 200:
                     raise await _error_from(url, r)
                 pending = b""
@@ -245,10 +245,11 @@ class EngineClient:
         """POST and return the JSON answer. Idempotent calls pass ``attempts=2``: a pooled
         connection the server closed at the same moment fails without the server having
         seen the request, and a fresh connection fixes it."""
-        headers = {"X-Request-Id": request_id} if request_id else None
+        headers = {"X-Request-Id": request_id, **_JSON} if request_id else _JSON
+        data = _json(body)
         for attempt in range(1, attempts + 1):
             try:
-                async with self.http.post(url, json=body, headers=headers) as r:
+                async with self.http.post(url, data=data, headers=headers) as r:
                     if r.status != 200:
                         raise await _error_from(url, r)
                     return await r.json()
@@ -258,6 +259,21 @@ class EngineClient:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise UpstreamError(f"{url} unreachable: {exc!r}", lost=True) from exc
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    """A request body for an engine. orjson, not aiohttp's ``json=`` (the standard library):
+    a later round's body carries the session's whole conversation (60 tool rounds, 50 KB:
+    198 us with the standard library, 12 us with orjson). The gateway's request parsing admits no
+    NaN or infinity, so both write the same values; an integer past 64 bits, which orjson
+    refuses, goes the standard library's way."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return json.dumps(body).encode()
 
 
 async def _error_from(url: str, response: aiohttp.ClientResponse) -> UpstreamError:

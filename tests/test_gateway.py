@@ -419,7 +419,8 @@ def test_bad_requests_get_openai_errors(stack, body, status, param):
 def test_oversized_and_malformed_bodies(stack):
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 2**20)}]}
     assert httpx.post(f"{stack.url}/v1/chat/completions", json=huge, timeout=30).status_code == 413
-    for raw in (b"{nope", b'{"model": "\xff\xfe", "messages": []}'):  # not JSON; not UTF-8
+    nan = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}' % MODEL.encode()
+    for raw in (b"{nope", b'{"model": "\xff\xfe", "messages": []}', nan):  # not JSON; not UTF-8; not JSON's number
         bad = httpx.post(f"{stack.url}/v1/chat/completions", content=raw, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
 

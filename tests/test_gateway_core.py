@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -428,6 +429,35 @@ def test_hashes_are_chained_and_scoped():
     assert conversation_hashes("k2", [system])[0] != one[0]  # another key never sees the same hashes
     reply = {"role": "assistant", "content": "c"}  # a conversation grown by a reply: one more hash
     assert conversation_hashes("k1", [reply], after=one[-1]) == conversation_hashes("k1", [system, one_user, reply])[2:]
+
+
+def test_conversation_keys_keep_their_values():
+    """Redis holds sessions under these hashes: a faster canonical form or a remembered
+    link must give the very values the code before them gave (pinned from it), with
+    non-ASCII text, content parts, tool calls and their arguments, and again from memory."""
+    conversation = [
+        {"role": "system", "content": "Tu es un agent. Réponds en français ☃"},
+        {"role": "user", "content": [{"type": "text", "text": 'weather in "Paris"\n'}, {"type": "image_url"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"unit": "c", "city": "Paris", "days": [1, 2.5]}'},
+                }
+            ],
+        },  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "12°C, light rain\t"},
+    ]
+    pinned = ["487674dc5fef6ae4e9beee5a0c5a0350", "c98c71410c21accaa8bbbdfd9d37f3db",
+              "b62bd28b5a2dbb920adbad91c18a0d31", "6538708c38caa51b5e1685e1aeb01c49"]  # fmt: skip
+    assert conversation_hashes("key", conversation) == pinned
+    assert conversation_hashes("key", conversation) == pinned  # every link remembered now
+    assert conversation_hashes("key", [dict(reversed(m.items())) for m in conversation]) == pinned  # keys reordered
+    odd = {"role": 5, "content": "x", "tool_call_id": None}  # not a chat message, still a stable hash
+    assert canonical_message(odd) == json.dumps([5, "x", [], ""], sort_keys=True, separators=(",", ":"))
 
 
 def test_continues_detects_rewritten_history():

@@ -58,13 +58,17 @@ def bench_overhead(
     levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
     requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
     output_tokens: int = 32,
+    tool_rounds: Annotated[
+        int, typer.Option(help="tool calls and results each request carries after its first message")
+    ] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
 ) -> None:
     """Latency ampd, LiteLLM's proxy and vllm-router add over calling one worker directly."""
     from ampd.bench.overhead import run_overhead_bench
 
     level_list = [int(x) for x in levels.split(",")]
-    raise typer.Exit(run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, out))
+    code = run_overhead_bench(console, arms.split(","), level_list, requests, output_tokens, tool_rounds, out)
+    raise typer.Exit(code)
 
 
 @bench_app.command("load")

@@ -57,12 +57,37 @@ def percentile_ms(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
 
 
-async def drive(url: str, model: str, streams: int, requests: int, output_tokens: int) -> list[StreamTiming]:
+def agent_history(tool_rounds: int) -> list[dict[str, object]]:
+    """An agent's conversation after ``tool_rounds`` tool calls and their results (two
+    messages each, ~120 words per result): what a later round of a session carries."""
+    rng = random.Random(0)
+    words = ["search", "result", "city", "weather", "page", "found", "the", "of", "and", "in", "to", "for", "data"]
+    out: list[dict[str, object]] = []
+    for n in range(tool_rounds):
+        arguments = json.dumps({"query": " ".join(rng.choices(words, k=6))})
+        call = {"id": f"call_{n}", "type": "function", "function": {"name": "search", "arguments": arguments}}
+        result = " ".join(rng.choices(words, k=120))
+        out += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{n}", "content": result},
+        ]
+    return out
+
+
+async def drive(
+    url: str, model: str, streams: int, requests: int, output_tokens: int, tool_rounds: int = 0
+) -> list[StreamTiming]:
+    """``streams`` closed loops of ``requests`` streamed chat completions each; every request
+    opens a session of its own (a unique first message), followed by ``tool_rounds`` tool
+    calls and results (``agent_history``)."""
+    history = agent_history(tool_rounds)
+
     async def one_stream(i: int) -> list[StreamTiming]:
         out = []
         for k in range(requests):
-            body = {"model": model, "messages": [{"role": "user", "content": f"bench {uuid.uuid4().hex} {i} {k}"}],
-                    "max_tokens": output_tokens, "ignore_eos": True, "stream": True}  # fmt: skip
+            first = {"role": "user", "content": f"bench {uuid.uuid4().hex} {i} {k}"}
+            body = {"model": model, "messages": [first, *history], "max_tokens": output_tokens, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
             out.append(await stream_chat(url, json.dumps(body).encode()))
         return out
 

@@ -192,12 +192,19 @@ def _own_cpu_seconds(pid: int) -> float:
 
 
 def measure(
-    arm: str, url: str, model: str, streams: int, requests: int, output_tokens: int, pid: int | None = None
+    arm: str,
+    url: str,
+    model: str,
+    streams: int,
+    requests: int,
+    output_tokens: int,
+    tool_rounds: int,
+    pid: int | None = None,
 ) -> ArmLevel:
     """One arm at one level; ``pid``: the proxy's process, whose CPU per request is reported."""
     cpu = cpu_seconds(pid) if pid is not None else None
     started = time.perf_counter()
-    timings = asyncio.run(drive(url, model, streams, requests, output_tokens))
+    timings = asyncio.run(drive(url, model, streams, requests, output_tokens, tool_rounds))
     wall = time.perf_counter() - started
     used = None if pid is None or cpu is None else (cpu_seconds(pid) - cpu) * 1000 / max(1, len(timings))
     return ArmLevel(
@@ -230,6 +237,7 @@ def run_overhead_bench(
     levels: Sequence[int],
     requests: int,
     output_tokens: int,
+    tool_rounds: int,
     out: Path | None,
 ) -> int:
     unknown = [a for a in arms if a not in ARMS and not GATEWAY_ARM.fullmatch(a)]
@@ -278,7 +286,9 @@ def run_overhead_bench(
         for streams in levels:
             for arm in running:
                 console.print(f"{streams} streams through {arm} ...")
-                results.append(measure(arm, urls[arm], model, streams, requests, output_tokens, pids.get(arm)))
+                results.append(
+                    measure(arm, urls[arm], model, streams, requests, output_tokens, tool_rounds, pids.get(arm))
+                )
     finally:
         for child in reversed(children):
             child.stop()
@@ -296,7 +306,8 @@ def run_overhead_bench(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         data = {
-            "requests_per_stream": requests, "output_tokens": output_tokens, "requirements": REQUIREMENTS,
+            "requests_per_stream": requests, "output_tokens": output_tokens, "tool_rounds": tool_rounds,
+            "requirements": REQUIREMENTS,
             "load_average_before": load, "load_average_after": os.getloadavg(),
             "levels": [asdict(x) for x in results], "overheads": [asdict(x) for x in rows], "failures": failures,
         }  # fmt: skip
