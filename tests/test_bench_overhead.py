@@ -67,11 +67,12 @@ def test_overhead_is_measured_against_direct_and_compared_with_ampd():
 def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/13"}
     command = [sys.executable, "-m", "ampd.cli", "bench", "overhead", "--arms", "direct,ampd,ampd-x2",
-               "--levels", "1,3", "--requests", "2", "--output-tokens", "8",
+               "--levels", "1,3", "--requests", "2", "--output-tokens", "8", "--tool-rounds", "2",
                "--out", str(tmp_path / "o.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((tmp_path / "o.json").read_text())
+    assert data["tool_rounds"] == 2  # every request carried an agent's two tool calls and results
     assert [(x["arm"], x["streams"], x["requests"]) for x in data["levels"]] == [
         ("direct", 1, 2), ("ampd", 1, 2), ("ampd-x2", 1, 2), ("direct", 3, 6), ("ampd", 3, 6), ("ampd-x2", 3, 6)
     ]  # fmt: skip

@@ -8,6 +8,8 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import DataError, ResponseError
 
 from ampd.local_redis import free_port
@@ -126,6 +128,49 @@ def test_a_script_redis_forgot_is_loaded_again_and_redis_away_reaches_every_call
         outcomes = await asyncio.gather(*(batch.script(echo, ["k"], [i]) for i in range(5)), return_exceptions=True)
         assert all(isinstance(o, REDIS_DOWN) for o in outcomes), outcomes
         await away.aclose()
+
+    asyncio.run(scenario())
+
+
+SLOW = """
+local start = redis.call('TIME')
+repeat local now = redis.call('TIME') until (now[1] - start[1]) * 1000000 + (now[2] - start[2]) > 30000
+return ARGV[1]
+"""
+
+
+def test_a_dropped_connection_and_a_caller_that_stops_reading_cost_no_reply(prefix):
+    """A connection the batch used, dropped by Redis (as a restart drops it), is opened
+    again and the command sent once more, applied once; a caller cancelled while its reply
+    is on the way leaves nothing unread for the next caller to take as its own."""
+
+    async def scenario() -> None:
+        retry_once = {"retry": Retry(NoBackoff(), 1), "retry_on_error": [aioredis.ConnectionError]}  # the gateway's
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True, **retry_once)
+        batch = RedisBatch(client)
+        echo, slow = client.register_script(ECHO), client.register_script(SLOW)
+        counter = f"{prefix}:n"
+        try:
+            named = client.pipeline(transaction=False)
+            named.client_setname(f"{prefix}-batch")
+            named.incr(counter)
+            assert await batch.pipeline(named) == [True, 1]
+            killer = redis.Redis.from_url(REDIS_URL)
+            (mine,) = [c["id"] for c in killer.client_list() if c["name"] == f"{prefix}-batch"]
+            assert killer.client_kill_filter(_id=mine)
+            killer.close()
+            assert await batch.script(echo, [counter], ["after"]) == "after"
+            assert int(await client.get(counter)) == 2
+
+            await slow(keys=[], args=["load"])
+            stopped = asyncio.ensure_future(batch.script(slow, [], ["stale"]))
+            await asyncio.sleep(0.01)  # sent; Redis is still running it
+            stopped.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stopped
+            assert await batch.script(echo, [counter], ["mine"]) == "mine"
+        finally:
+            await client.aclose()
 
     asyncio.run(scenario())
 

@@ -58,11 +58,13 @@ def percentile_ms(values: list[float], q: float) -> float:
 
 
 def agent_history(tool_rounds: int) -> list[dict[str, object]]:
-    """An agent's conversation after ``tool_rounds`` tool calls and their results (two
-    messages each, ~120 words per result): what a later round of a session carries."""
+    """An agent's task and its ``tool_rounds`` tool calls with their results (two messages
+    each, ~120 words per result); none for no tool rounds."""
+    if tool_rounds == 0:
+        return []
     rng = random.Random(0)
     words = ["search", "result", "city", "weather", "page", "found", "the", "of", "and", "in", "to", "for", "data"]
-    out: list[dict[str, object]] = []
+    out: list[dict[str, object]] = [{"role": "user", "content": "Find this week's weather in every city listed."}]
     for n in range(tool_rounds):
         arguments = json.dumps({"query": " ".join(rng.choices(words, k=6))})
         call = {"id": f"call_{n}", "type": "function", "function": {"name": "search", "arguments": arguments}}
@@ -77,16 +79,18 @@ def agent_history(tool_rounds: int) -> list[dict[str, object]]:
 async def drive(
     url: str, model: str, streams: int, requests: int, output_tokens: int, tool_rounds: int = 0
 ) -> list[StreamTiming]:
-    """``streams`` closed loops of ``requests`` streamed chat completions each; every request
-    opens a session of its own (a unique first message), followed by ``tool_rounds`` tool
-    calls and results (``agent_history``)."""
+    """``streams`` closed loops of ``requests`` streamed chat completions each. Every request
+    opens a session of its own: a message of its own after the same agent history of
+    ``tool_rounds`` tool rounds (``agent_history``), so that, as in a session's later
+    round, all it carries but its last message has been seen before - by the gateway and
+    by the engine's prefix cache."""
     history = agent_history(tool_rounds)
 
     async def one_stream(i: int) -> list[StreamTiming]:
         out = []
         for k in range(requests):
-            first = {"role": "user", "content": f"bench {uuid.uuid4().hex} {i} {k}"}
-            body = {"model": model, "messages": [first, *history], "max_tokens": output_tokens, "ignore_eos": True,
+            last = {"role": "user", "content": f"bench {uuid.uuid4().hex} {i} {k}"}
+            body = {"model": model, "messages": [*history, last], "max_tokens": output_tokens, "ignore_eos": True,
                     "stream": True}  # fmt: skip
             out.append(await stream_chat(url, json.dumps(body).encode()))
         return out
