@@ -59,7 +59,7 @@ def bench_overhead(
     requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
     output_tokens: int = 32,
     tool_rounds: Annotated[
-        int, typer.Option(help="tool calls and results each request carries after its first message")
+        int, typer.Option(help="an agent's tool calls and results every request carries before its own message")
     ] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
 ) -> None:
