@@ -218,7 +218,8 @@ class Gateway:
         model = self.resolve_model(request.model)
         server_tools = self._enabled_tools(request)
         engine_tools = (raw.get("tools") or []) + [openai_tool(TOOLS[name]) for name in sorted(server_tools)]
-        return request, model, server_tools, engine_tools, [m.model_dump(exclude_none=True) for m in request.messages]
+        messages = request.model_dump(include={"messages"}, exclude_none=True)["messages"]  # one call: half the cost
+        return request, model, server_tools, engine_tools, messages
 
     def _enabled_tools(self, request: ChatRequest) -> frozenset[str]:
         wanted = frozenset(request.server_tools or ())
