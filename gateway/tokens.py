@@ -23,20 +23,18 @@ sees it (gateway.pool).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from pydantic import ValidationError
 
+from gateway.remembered import Remembered
 from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, EngineError, Message, Tool, message_dicts
 from workers.sim.tokenizer import Tokenizer, render_chat
 
 SIM_ENGINE = "ampd-sim"  # what the pool calls an engine whose count the gateway can make itself
 # Pieces do not depend on the vocabulary (ids do, and are not needed): any size will do.
 _TOKENIZER = Tokenizer(vocab_size=1 << 16)
-_REMEMBERED = 1 << 16  # counts kept per kind (a digest and an int each) before starting afresh
 
 
 def _pieces(text: str) -> int:
@@ -58,31 +56,20 @@ def _tools(raw: list[dict[str, Any]]) -> int:
     return _pieces(render_chat([], tools, False)) - _START
 
 
-class _Remembered:
-    """Counts by the digest of what was counted; None for what the engine refuses."""
+def _refused_as_none(count: Callable[[Any], int]) -> Callable[[Any], int | None]:
+    """``count``, giving None for what the engine refuses."""
 
-    def __init__(self, count: Callable[[Any], int]) -> None:
-        self.count, self.known = count, dict[bytes, int | None]()
-
-    def __call__(self, item: Any) -> int | None:
+    def counted(item: Any) -> int | None:
         try:
-            key = hashlib.blake2b(orjson.dumps(item), digest_size=16).digest()
-        except orjson.JSONEncodeError:  # what orjson cannot write (an integer past 64 bits): not remembered
-            return self._count(item)
-        if key not in self.known:
-            if len(self.known) >= _REMEMBERED:
-                self.known.clear()
-            self.known[key] = self._count(item)
-        return self.known[key]
-
-    def _count(self, item: Any) -> int | None:
-        try:
-            return self.count(item)
+            return count(item)
         except (ValidationError, ValueError, EngineError):
             return None
 
+    return counted
 
-_MESSAGE, _TOOLS = _Remembered(_message), _Remembered(_tools)
+
+# Counts by the digest of what was counted (a digest and an int each); None for what the engine refuses.
+_MESSAGE, _TOOLS = Remembered(_refused_as_none(_message)), Remembered(_refused_as_none(_tools))
 
 
 def engine_kind(version: dict[str, Any]) -> str | None:
