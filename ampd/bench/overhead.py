@@ -18,6 +18,7 @@ ampd's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -185,10 +186,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def _own_cpu_seconds(pid: int) -> float:
-    """``/proc/<pid>/stat`` fields 14 and 15, in clock ticks."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The time a process's threads have run on a CPU, to the nanosecond: the first field
+    of each ``/proc/<pid>/task/<tid>/schedstat``. The user and system times of
+    ``/proc/<pid>/stat`` come in clock ticks (10 ms here), which a gateway spending ~1 ms
+    a request crosses only every ten requests. A thread that has ended no longer counts."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
 
 
 def measure(

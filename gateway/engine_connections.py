@@ -1,0 +1,220 @@
+"""Kept-alive HTTP/1.1 connections from the gateway to its engines.
+
+A round's decode stream is the gateway's busiest HTTP exchange: a POST, then one body
+chunk per step of the engine. Through aiohttp's client a 32-token stream cost the
+gateway ~350 us of CPU and reached the engine's response headers ~0.35 ms later than the
+same bytes written on a plain asyncio connection
+(bench/results/overhead_hot_path/engine_client.py). Here a request is written in one
+call and its response parsed by httptools (llhttp, the parser uvicorn serves with) as it
+arrives; the body's chunks reach the reader together, as they came in since it last
+looked, and a reader that falls behind stops the socket being read.
+
+What the gateway relies on, as with aiohttp: a refused connection, and one that fails or
+closes before the response is complete, raise :class:`Lost`; a request past its
+deadline raises :class:`TimedOut` (a kind of Lost); a response is complete only once its
+last chunk arrived; a reader that stops early (the client hung up) closes the
+connection, and so aborts the engine's request. Connections idle longer than
+``keepalive_s`` are dropped rather than reused, before the server's own keep-alive
+timeout could close one under a new request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httptools
+
+PAUSE_CHUNKS = 64  # unread body chunks before the engine's socket stops being read (back-pressure)
+
+
+class Lost(Exception):
+    """The connection failed, closed or timed out before the response was complete."""
+
+
+class TimedOut(Lost):
+    """The response was not complete by the request's deadline."""
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection; its current response's body waits in ``chunks``."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.chunks: list[bytes] = []
+        self.complete = False
+        self.keep_alive = False
+        self.error: Exception | None = None  # why the connection ended
+        self.waiter: asyncio.Future[None] | None = None
+        self.idle_since = 0.0
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = Lost(f"malformed response: {exc}")
+            self.close()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.error is None:
+            self.error = Lost(f"connection closed: {exc!r}" if exc else "connection closed")
+        self.transport = None
+        self._wake()
+
+    # -- httptools callbacks ---------------------------------------------------------
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        if len(self.chunks) >= PAUSE_CHUNKS and self.transport is not None:
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        self.complete, self.keep_alive = True, self.parser.should_keep_alive()
+
+    # -- the reader's side -------------------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing() and self.error is None
+
+    def send(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.parser = httptools.HttpResponseParser(self)
+        self.status, self.chunks, self.complete, self.keep_alive = 0, [], False, False
+        self.transport.write(request)
+
+    async def wait(self) -> None:
+        """Until something arrived, the response completed or the connection ended."""
+        if self.chunks or self.complete or self.error is not None:
+            return
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def take(self) -> bytes:
+        """The body that arrived since the last take."""
+        chunks, self.chunks = self.chunks, []
+        if self.transport is not None and len(chunks) >= PAUSE_CHUNKS:
+            self.transport.resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+@dataclass
+class Response:
+    """A response whose body is still arriving: ``status``, then :meth:`body`."""
+
+    status: int
+    _connection: _Connection
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: everything that came in since the last step, joined."""
+        connection = self._connection
+        while True:
+            await connection.wait()
+            if connection.chunks:
+                yield connection.take()
+            elif connection.complete:
+                return
+            elif connection.error is not None:
+                raise connection.error
+
+    async def read(self) -> bytes:
+        return b"".join([part async for part in self.body()])
+
+
+@dataclass
+class EngineConnections:
+    """Idle connections per engine (``host:port``), the most recently used taken first."""
+
+    keepalive_s: float
+    connect_timeout_s: float
+    timeout_s: float  # a request's deadline, from its start to its last byte
+    _idle: dict[tuple[str, int], list[_Connection]] = field(default_factory=dict)
+
+    @asynccontextmanager
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[Response]:
+        """``method`` on ``url``; the response once its headers are in, to be read within
+        ``timeout_s`` (else the pool's). The connection goes back for reuse only if the
+        response was read to its end."""
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port or 80
+        connection = await self._connection(host, port)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = asyncio.get_running_loop().call_later(timeout_s, _expire, connection, timeout_s)
+        try:
+            target = f"{parts.path or '/'}?{parts.query}" if parts.query else parts.path or "/"
+            connection.send(_request(method, target, f"{host}:{port}", body, headers or {}))
+            while not connection.status:
+                if connection.error is not None:
+                    raise connection.error
+                await connection.wait()
+            yield Response(connection.status, connection)
+        finally:
+            deadline.cancel()
+            if connection.complete and connection.keep_alive and connection.usable:
+                connection.idle_since = time.monotonic()
+                self._idle.setdefault((host, port), []).append(connection)
+            else:
+                connection.close()
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.close()
+        self._idle.clear()
+
+    async def _connection(self, host: str, port: int) -> _Connection:
+        idle, fresh_after = self._idle.get((host, port), []), time.monotonic() - self.keepalive_s
+        while idle:
+            connection = idle.pop()
+            if connection.usable and connection.idle_since > fresh_after:
+                return connection
+            connection.close()
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(_Connection, host, port)
+        except (OSError, TimeoutError) as exc:
+            raise Lost(f"cannot connect: {exc!r}") from exc
+        return connection
+
+
+def _request(method: str, target: str, host: str, body: bytes | None, headers: dict[str, str]) -> bytes:
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    if body is None:
+        return f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{head}\r\n".encode()
+    return f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def _expire(connection: _Connection, timeout_s: float) -> None:
+    connection.error = TimedOut(f"no complete response within {timeout_s:g} s")
+    connection.close()
