@@ -181,8 +181,7 @@ class EngineConnections:
         finally:
             deadline.cancel()
             if connection.complete and connection.keep_alive and connection.usable:
-                connection.idle_since = time.monotonic()
-                self._idle.setdefault((host, port), []).append(connection)
+                self._keep((host, port), connection)
             else:
                 connection.close()
 
@@ -191,6 +190,15 @@ class EngineConnections:
             for connection in idle:
                 connection.close()
         self._idle.clear()
+
+    def _keep(self, engine: tuple[str, int], connection: _Connection) -> None:
+        """Back to the idle ones, most recent last; those gone stale below it go (the most
+        recent is taken first, so the oldest would otherwise wait there for ever)."""
+        idle, now = self._idle.setdefault(engine, []), time.monotonic()
+        while idle and not (idle[0].usable and idle[0].idle_since > now - self.keepalive_s):
+            idle.pop(0).close()
+        connection.idle_since = now
+        idle.append(connection)
 
     async def _connection(self, host: str, port: int) -> _Connection:
         idle, fresh_after = self._idle.get((host, port), []), time.monotonic() - self.keepalive_s

@@ -201,6 +201,21 @@ def test_an_idle_connection_past_its_keepalive_is_not_reused(server: str) -> Non
     assert seen(server)["connections"] == 2
 
 
+def test_stale_idle_connections_below_a_reused_one_are_closed(server: str) -> None:
+    async def run() -> int:
+        pool = connections(keepalive_s=1.0)
+        try:
+            await asyncio.gather(*(body_of(pool, f"{server}/stream?n=3&gap=0.05") for _ in range(3)))
+            for _ in range(2):  # the newest is taken and kept fresh; the two below it go stale
+                await asyncio.sleep(0.6)
+                await body_of(pool, f"{server}/stream?n=1")
+            return sum(len(idle) for idle in pool._idle.values())
+        finally:
+            await pool.close()
+
+    assert asyncio.run(run()) == 1
+
+
 def test_a_reader_that_falls_behind_pauses_the_server_and_still_gets_everything(server: str) -> None:
     async def run() -> bytes:
         pool = connections()
