@@ -166,6 +166,8 @@ class EngineConnections:
         ``timeout_s`` (else the pool's). The connection goes back for reuse only if the
         response was read to its end."""
         parts = urlsplit(url)
+        if parts.scheme != "http":  # no TLS here: plain bytes to a TLS port would read as a lost engine
+            raise ValueError(f"{url}: engines are reached over http:// only")
         host, port = parts.hostname or "", parts.port or 80
         connection = await self._connection(host, port)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s

@@ -158,6 +158,14 @@ def test_a_request_past_its_deadline_is_lost(server: str) -> None:
     assert asyncio.run(run()) < 10  # the deadline, not the server's hour, ended it
 
 
+def test_an_engine_url_other_than_http_is_refused_plainly() -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="http:// only"):
+            await body_of(connections(), "https://127.0.0.1:8443/v1/chat/completions")
+
+    asyncio.run(run())
+
+
 def test_a_refused_connection_is_lost() -> None:
     async def run() -> None:
         pool = connections()
