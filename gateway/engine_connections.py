@@ -196,17 +196,21 @@ class EngineConnections:
     def _keep(self, engine: tuple[str, int], connection: _Connection) -> None:
         """Back to the idle ones, most recent last; those gone stale below it go (the most
         recent is taken first, so the oldest would otherwise wait there for ever)."""
-        idle, now = self._idle.setdefault(engine, []), time.monotonic()
-        while idle and not (idle[0].usable and idle[0].idle_since > now - self.keepalive_s):
+        idle = self._idle.setdefault(engine, [])
+        while idle and not self._reusable(idle[0]):
             idle.pop(0).close()
-        connection.idle_since = now
+        connection.idle_since = time.monotonic()
         idle.append(connection)
 
+    def _reusable(self, connection: _Connection) -> bool:
+        """Open, and idle for less than ``keepalive_s``."""
+        return connection.usable and connection.idle_since > time.monotonic() - self.keepalive_s
+
     async def _connection(self, host: str, port: int) -> _Connection:
-        idle, fresh_after = self._idle.get((host, port), []), time.monotonic() - self.keepalive_s
+        idle = self._idle.get((host, port), [])
         while idle:
             connection = idle.pop()
-            if connection.usable and connection.idle_since > fresh_after:
+            if self._reusable(connection):
                 return connection
             connection.close()
         loop = asyncio.get_running_loop()
