@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import secrets
 import uuid
 from collections.abc import AsyncIterator
@@ -215,6 +216,12 @@ def create_app(config: WorkerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         async with _registered(state):
+            # What exists now (the KV cache's per-block lists, the tokenizer, the app) lives as
+            # long as the process: frozen out of the collector's sight, as vLLM's server freezes
+            # its heap once started (vllm.utils.gc_utils.freeze_gc_heap). Unfrozen, each full
+            # collection walked it and stalled every stream on the engine (README, Load).
+            gc.collect()
+            gc.freeze()
             yield
         await state.engine.stop()
         await state.side_channel.close()
