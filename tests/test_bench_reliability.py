@@ -28,11 +28,12 @@ def test_a_short_load_run_loses_no_round_and_reports_memory_and_added_latency(tm
     rss = report["gateway_rss_mib"]
     assert 20 < rss["start"] <= rss["max"] and rss["end"] <= rss["max"]
     assert report["added_ttft_p99_ms"] == gateway["ttft_p99_ms"] - direct["ttft_p99_ms"]
-    # Minute by minute: every round counted once, the gateway's CPU read off /proc.
+    # Minute by minute: every round counted once, the gateway's CPU and its wait for one read off /proc.
     assert sum(m["rounds"] for m in gateway["by_minute"]) == gateway["rounds_ok"]
     assert sum(m["rounds"] for m in direct["by_minute"]) == direct["rounds_ok"]
     assert all(m["ttft_p50_ms"] <= m["ttft_p99_ms"] for m in gateway["by_minute"])
     assert gateway["by_minute"][0]["cpu_ms_per_round"] > 0
+    assert gateway["by_minute"][0]["cpu_wait_ms_per_round"] >= 0
 
 
 def test_a_short_chaos_run_survives_one_of_each_fault(tmp_path):

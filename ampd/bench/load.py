@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.bench.gateway import percentile_ms
-from ampd.bench.overhead import cpu_seconds
+from ampd.bench.overhead import cpu_seconds, runqueue_seconds
 from ampd.bench.replay import TOOL, agent_client, stream_round, words
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import spawn_gateway, spawn_sim_worker, tree_total, wait_healthy
@@ -199,14 +199,18 @@ def _own_rss_mib(pid: int) -> float:
 
 
 async def _sample(
-    pid: int, every_s: float, samples: list[tuple[float, float]], cpu: list[tuple[float, float]], stop: asyncio.Event
+    pid: int,
+    every_s: float,
+    samples: list[tuple[float, float]],
+    cpu: list[tuple[float, float, float]],
+    stop: asyncio.Event,
 ) -> None:
-    """The gateway's RSS (MiB) and CPU seconds used so far, every ``every_s``."""
+    """The gateway's RSS (MiB), and the CPU seconds it has used and waited for so far, every ``every_s``."""
     started = time.perf_counter()
     while not stop.is_set():
         now = time.perf_counter() - started
         samples.append((now, rss_mib(pid)))
-        cpu.append((now, cpu_seconds(pid)))
+        cpu.append((now, cpu_seconds(pid), runqueue_seconds(pid)))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
 
@@ -240,7 +244,7 @@ def run_load_bench(
     gateway = spawn_gateway("gateway", free_port(), options, log=state / "gateway.log")
     ramp_s = min(30.0, minutes * 60 / 4)
     samples: list[tuple[float, float]] = []
-    cpu: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float, float]] = []
     try:
         if wait_healthy(workers) or wait_healthy([gateway], path="/readyz"):
             raise RuntimeError(f"a worker or the gateway did not start; logs in {state}")
@@ -274,9 +278,10 @@ def run_load_bench(
         redis_handle.stop()
 
     arms = [summarise("direct", direct, direct_s), summarise("gateway", via, via_s)]
-    for minute in arms[1].by_minute:  # the gateway's CPU per round, minute by minute
-        used = [c for t, c in cpu if minute["minute"] * 60 <= t <= (minute["minute"] + 1) * 60]
-        minute["cpu_ms_per_round"] = (used[-1] - used[0]) * 1000 / minute["rounds"] if len(used) > 1 else None
+    for minute in arms[1].by_minute:  # the gateway's CPU per round, and its wait for one, minute by minute
+        inside = [(c, w) for t, c, w in cpu if minute["minute"] * 60 <= t <= (minute["minute"] + 1) * 60]
+        for key, i in (("cpu_ms_per_round", 0), ("cpu_wait_ms_per_round", 1)):
+            minute[key] = (inside[-1][i] - inside[0][i]) * 1000 / minute["rounds"] if len(inside) > 1 else None
     steady = [mib for t, mib in samples if t >= ramp_s]
     report = {
         "agents": agents, "minutes": minutes, "baseline_minutes": baseline_minutes, "speed": speed,
@@ -312,8 +317,15 @@ def print_report(console: Console, report: dict, arms: Sequence[ArmResult]) -> N
     for a in arms:
         for kind, n in a.errors.items():
             console.print(f"  {a.arm} error x{n}: {kind}")
-    minutes = Table("minute", "rounds", "TTFT p50 / p99", "CPU per round", title="Through the gateway, by minute")
+    minutes = Table("minute", "rounds", "TTFT p50 / p99", "CPU per round", "waiting for a CPU per round",
+                    title="Through the gateway, by minute")  # fmt: skip
     for m in arms[1].by_minute:
-        cpu = "-" if m.get("cpu_ms_per_round") is None else f"{m['cpu_ms_per_round']:.2f} ms"
-        minutes.add_row(str(m["minute"]), str(m["rounds"]), f"{m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} ms", cpu)
+        cpu, wait = (_ms(m.get(k)) for k in ("cpu_ms_per_round", "cpu_wait_ms_per_round"))
+        minutes.add_row(
+            str(m["minute"]), str(m["rounds"]), f"{m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} ms", cpu, wait
+        )
     console.print(minutes)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} ms"

@@ -185,15 +185,31 @@ def cpu_seconds(pid: int) -> float:
     return tree_total(pid, _own_cpu_seconds)
 
 
+def runqueue_seconds(pid: int) -> float:
+    """Seconds the threads of a process and of those it started have spent ready to run
+    but waiting for a CPU: on a machine the gateway shares with its engines, its clients
+    and Redis, the part of its latency that is the machine's, not its own work."""
+    return tree_total(pid, _own_runqueue_seconds)
+
+
 def _own_cpu_seconds(pid: int) -> float:
     """The time a process's threads have run on a CPU, to the nanosecond: the first field
     of each ``/proc/<pid>/task/<tid>/schedstat``. The user and system times of
     ``/proc/<pid>/stat`` come in clock ticks (10 ms here), which a gateway spending ~1 ms
     a request crosses only every ten requests. A thread that has ended no longer counts."""
+    return _schedstat(pid, 0)
+
+
+def _own_runqueue_seconds(pid: int) -> float:
+    """The time a process's threads have waited on a run queue: schedstat's second field."""
+    return _schedstat(pid, 1)
+
+
+def _schedstat(pid: int, field: int) -> float:
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            total += int((task / "schedstat").read_text().split()[0])
+            total += int((task / "schedstat").read_text().split()[field])
     return total / 1e9
 
 
