@@ -2,14 +2,17 @@
 
 A one-off timing harness, not part of the package: the gateway runs in a child process of
 this script with timestamps taken around its phases (by wrapping the coordinator's
-``open``, the session and signals read, the prefill queue's ``submit`` and the engine
-client's ``stream``, and the ASGI app itself); one GPU-free worker on core 0; 100 streamed
-requests of 32 tokens, one after another, then 50 straight to the worker. Prints the
-median of each phase over the last 50 requests and both client-side TTFT medians.
+``open``, the session and signals read, its ``OPEN`` script, the prompt's count, the
+prefill queue's ``submit`` and the engine client's ``stream``, and the ASGI app itself);
+one GPU-free worker on core 0; 100 streamed requests of 32 tokens, one after another,
+then 50 straight to the worker. Prints the median of each step and of each phase's time
+since the request reached the app over the last 50 requests, and both client-side TTFT
+medians.
 
     .venv/bin/python bench/results/overhead_hot_path/phase_breakdown.py
 
-Output of the run behind the README: phase_breakdown.txt.
+Output of the runs behind the README: phase_breakdown.txt (an earlier one, fewer phases)
+and phase_breakdown_ninth.txt.
 """
 
 import asyncio
@@ -21,8 +24,10 @@ import time
 import uuid
 from pathlib import Path
 
-PHASES = ["asgi", "open_start", "reads_done", "open_done", "submit_start", "submit_done", "post", "engine_first",
-          "client_first"]  # fmt: skip
+# In the order they happen; the prompt is counted while the OPEN script is out, so the
+# steps between script_start and reads_done overlap (the times from "asgi" show it).
+PHASES = ["asgi", "open_start", "read_start", "script_start", "count_start", "count_done", "script_done",
+          "reads_done", "open_done", "submit_start", "submit_done", "post", "engine_first", "client_first"]  # fmt: skip
 
 
 def serve(redis_url: str, prefix: str, port: int) -> None:
@@ -30,6 +35,7 @@ def serve(redis_url: str, prefix: str, port: int) -> None:
 
     import gateway.coordinator as coordinator
     import gateway.prefill_queue as prefill_queue
+    import gateway.redis_batch as redis_batch
     import gateway.upstream as upstream
     from gateway.app import create_app
     from gateway.config import GatewayConfig
@@ -41,16 +47,19 @@ def serve(redis_url: str, prefix: str, port: int) -> None:
         inner = getattr(cls, name)
 
         async def wrapper(*args, **kwargs):
-            if before:
+            if before and before not in stamps:  # a round's first call (OPEN is its first script)
                 stamps[before] = time.perf_counter()
             out = await inner(*args, **kwargs)
-            stamps[after] = time.perf_counter()
+            if after not in stamps:
+                stamps[after] = time.perf_counter()
             return out
 
         setattr(cls, name, wrapper)
 
     timed(coordinator.Gateway, "open", "open_start", "open_done")
-    timed(coordinator.RoundReads, "read", None, "reads_done")
+    timed(coordinator.RoundReads, "read", "read_start", "reads_done")
+    timed(coordinator.Gateway, "_count", "count_start", "count_done")
+    timed(redis_batch.RedisBatch, "script", "script_start", "script_done")
     timed(prefill_queue.PrefillQueues, "submit", "submit_start", "submit_done")
     stream = upstream.EngineClient.stream
 
@@ -82,6 +91,9 @@ def serve(redis_url: str, prefix: str, port: int) -> None:
             print(f"phase medians over {len(done)} requests (ms):", flush=True)
             for a, b in zip(PHASES, PHASES[1:], strict=False):
                 print(f"  {a:>13} -> {b:<13} {statistics.median(r[b] - r[a] for r in done) * 1000:7.3f}", flush=True)
+            for phase in PHASES[1:]:
+                since = statistics.median(r[phase] - r["asgi"] for r in done) * 1000
+                print(f"  {'asgi':>13} -> {phase:<13} {since:7.3f}", flush=True)
             total = statistics.median(r["client_first"] - r["asgi"] for r in done) * 1000
             print(f"  {'asgi':>13} -> {'client_first':<13} {total:7.3f}", flush=True)
 
