@@ -31,7 +31,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -171,27 +171,37 @@ async def run_agents(
 ) -> tuple[ArmRecord, float]:  # fmt: skip
     """``agents`` closed-loop agents for ``seconds``; ``route`` gives a session's base URL.
     Sessions under way when the time is up finish. Returns the record and the wall time."""
-    # What exists before the run (the modules this process imported, the workers' and the
-    # gateway's handles) is frozen out of the collector's sight: unfrozen, each full collection
-    # walked it for 50-110 ms, and every round in flight then counted that pause in its TTFT.
+    with _frozen_heap():
+        record = ArmRecord()
+        started = record.started
+        deadline = started + seconds
+
+        async def agent(i: int, client: aiohttp.ClientSession) -> None:
+            rng = random.Random(seed * 1_000_003 + i)
+            await asyncio.sleep(ramp_s * i / agents)
+            n = 0
+            while time.perf_counter() < deadline:
+                session_id = f"load-{seed}-{i}-{n}-{uuid.uuid4().hex[:6]}"
+                await _session(client, route(session_id), model, session_id, shape, rng, record, verify)
+                n += 1
+
+        async with agent_client(agents + 16) as client:
+            await asyncio.gather(*(agent(i, client) for i in range(agents)))
+        return record, time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """What exists when a run starts (the modules this process imported, the workers' and the
+    gateway's handles), kept out of the collector's sight while it lasts: unfrozen, each full
+    collection walked it for 50-110 ms, and every round in flight counted that pause in its
+    TTFT."""
     gc.collect()
     gc.freeze()
-    record = ArmRecord()
-    started = record.started
-    deadline = started + seconds
-
-    async def agent(i: int, client: aiohttp.ClientSession) -> None:
-        rng = random.Random(seed * 1_000_003 + i)
-        await asyncio.sleep(ramp_s * i / agents)
-        n = 0
-        while time.perf_counter() < deadline:
-            session_id = f"load-{seed}-{i}-{n}-{uuid.uuid4().hex[:6]}"
-            await _session(client, route(session_id), model, session_id, shape, rng, record, verify)
-            n += 1
-
-    async with agent_client(agents + 16) as client:
-        await asyncio.gather(*(agent(i, client) for i in range(agents)))
-    return record, time.perf_counter() - started
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def rss_mib(pid: int) -> float:
