@@ -215,13 +215,14 @@ def create_app(config: WorkerConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
+        # What exists now (the KV cache's per-block lists, the tokenizer, the app) lives as long
+        # as the process: frozen out of the collector's sight, as vLLM's server freezes its heap
+        # once started (vllm.utils.gc_utils.freeze_gc_heap), and before the engine registers, so
+        # no request waits for the collection. Unfrozen, each full collection walked it and
+        # stalled every stream on the engine (README, Load).
+        gc.collect()
+        gc.freeze()
         async with _registered(state):
-            # What exists now (the KV cache's per-block lists, the tokenizer, the app) lives as
-            # long as the process: frozen out of the collector's sight, as vLLM's server freezes
-            # its heap once started (vllm.utils.gc_utils.freeze_gc_heap). Unfrozen, each full
-            # collection walked it and stalled every stream on the engine (README, Load).
-            gc.collect()
-            gc.freeze()
             yield
         await state.engine.stop()
         await state.side_channel.close()
