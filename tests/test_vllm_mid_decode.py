@@ -39,9 +39,10 @@ import pytest
 
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import ROOT, VLLM_PYTHON, first_handoff, running, start_vllm_worker
+from tests.test_vllm import ROOT, VLLM_PYTHON, VLLM_TIMEOUT, first_handoff, running, start_vllm_worker
 
 PULLS = "vllm:nixl_xfer_time_seconds_count"
+pytestmark = VLLM_TIMEOUT
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048")
 AFTER = 12  # tokens beta says after alpha's
 

@@ -27,9 +27,10 @@ import pytest
 
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import ROOT, VLLM_PYTHON, first_handoff, running, start_vllm_worker
+from tests.test_vllm import ROOT, VLLM_PYTHON, VLLM_TIMEOUT, first_handoff, running, start_vllm_worker
 
 PULLS, BYTES = "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum"
+pytestmark = VLLM_TIMEOUT
 
 
 @pytest.fixture(scope="module")
