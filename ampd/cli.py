@@ -449,7 +449,12 @@ def profile_measure(
     gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H100",
     tp: int = 1,
     speed: Annotated[float, typer.Option(help="a GPU-free worker's --speed; 1 on real hardware")] = 1.0,
-    clock: Annotated[str, typer.Option(help="engine: the engine's own TTFT clock; client: at the client")] = "engine",
+    clock: Annotated[
+        str,
+        typer.Option(
+            help="engine: the engine's own clock (its TTFT, inter-token and KV-pull histograms); client: at the client"
+        ),
+    ] = "engine",
     out: Annotated[Path | None, typer.Option(help="profile file (default: <model>_<gpu>_tp<N>_measured.json)")] = None,
 ) -> None:
     """Measure a running engine over a grid and fit its profile (`ampd profile --worker URL`)."""

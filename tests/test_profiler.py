@@ -12,6 +12,7 @@ from perfmodel.piecewise import Piece, PiecewiseLinear
 from perfmodel.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
 from planner.profiler import profile_worker
 from planner.profiler.fit import fit, report_table
+from planner.profiler.measure import measure
 from planner.profiler.samples import DecodeSample, Grid, Measurements, PrefillSample, TransferSample
 from tests.engines import start_sim_worker, stop
 
@@ -205,3 +206,32 @@ def test_measured_t_dec_matches_the_worker(measured_profile, batch, context):
 def test_measured_t_kv_matches_the_worker(measured_profile, tokens):
     profile = measured_profile[0]
     assert _rel(t_kv(tokens, profile, profile), t_kv(tokens, TRUE, TRUE)) < 0.25
+
+
+def test_engine_clock_times_decode_steps_for_a_client_starved_of_its_cpu(tmp_path):
+    """A client that gets its CPU back only now and then reads a stream's tokens in bursts:
+    its arrival slopes came out 17x too fast once on a loaded machine. The engine's clock
+    (vllm:inter_token_latency_seconds) does not see the client at all."""
+    grid = Grid(prefill_hist=(), prefill_incr=(), decode_batch=(1, 16), decode_context=(1024,),
+                transfer_tokens=(), repeats=1, steady_tokens=12)  # fmt: skip
+
+    async def starved(url: str) -> Measurements:
+        async def hog() -> None:
+            while True:
+                time.sleep(0.25)  # blocks the event loop: the client's reads wait
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(hog())
+        try:
+            return await measure(url, grid=grid, speed=SPEED, clock="engine")
+        finally:
+            task.cancel()
+
+    worker = start_sim_worker(tmp_path, "--speed", str(SPEED))
+    try:
+        measured = asyncio.run(starved(worker.url))
+    finally:
+        stop(worker)
+    assert [s.batch for s in measured.decode] == [1, 16]
+    for s in measured.decode:
+        assert _rel(s.seconds, TRUE.t_dec(s.batch, s.context)) < 0.05, s

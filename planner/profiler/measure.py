@@ -26,8 +26,12 @@ API-server overhead is inside every prefill and transfer sample and ends up in t
 fitted constants (mostly forward's intercept); ``clock="engine"`` reads the engine's
 own TTFT (the growth of ``vllm:time_to_first_token_seconds_sum`` across the lone
 request), which leaves the HTTP part out. Both are recorded; the median difference is
-``Measurements.api_overhead_seconds``. Decode steps are always timed at the client:
-the slope of token arrivals carries no per-request overhead.
+``Measurements.api_overhead_seconds``. Decode steps are timed by the same clock: at
+the client, the slope of token arrivals (it carries no per-request overhead, but a
+client starved of its CPU reads a burst of buffered tokens at once and times steps too
+short: 17x, seen once on a loaded two-core machine); by the engine's, the mean of
+``vllm:inter_token_latency_seconds`` over the steady window (the growth of its sum
+over the growth of its count), which vLLM and the GPU-free engine take per token.
 """
 
 from __future__ import annotations
@@ -262,26 +266,37 @@ async def _decode_point(
     """b concurrent streams; the gaps after the last stream's first token are pure decode steps."""
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(batch)]  # (time, completion tokens so far)
     window_start: list[int] | None = None
-    enough = asyncio.Event()
+    started, enough = asyncio.Event(), asyncio.Event()  # the steady window began; it is long enough
     failure: list[str] = []
+
+    def fail(reason: str) -> None:
+        failure.append(reason)
+        started.set()
+        enough.set()
 
     def observe(i: int, now: float, count: int) -> None:
         nonlocal window_start
         arrivals[i].append((now, count))
         if window_start is None and all(arrivals):
             window_start = [len(a) for a in arrivals]  # each window begins with the next arrival
-        if window_start is not None and all(
-            len(a) - s >= steady + 1 for a, s in zip(arrivals, window_start, strict=True)
-        ):
+        if window_start is None:
+            return
+        started.set()
+        if all(len(a) - s >= steady + 1 for a, s in zip(arrivals, window_start, strict=True)):
             enough.set()
 
     async def stream(i: int) -> None:
+        try:
+            await read(i)
+        except Exception as exc:  # a broken stream, a chunk that is not JSON: the wait must end
+            fail(f"{type(exc).__name__}: {exc}")
+
+    async def read(i: int) -> None:
         options = {"include_usage": True, "continuous_usage_stats": True}
         content = t.body(_tokens(rng, context), max_tokens, stream=True, stream_options=options)
         async with t.client.stream("POST", f"{t.url}/v1/completions", content=content, headers=_JSON) as r:
             if r.status_code != 200:
-                failure.append(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-                enough.set()
+                fail(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -294,21 +309,35 @@ async def _decode_point(
                 count = int(usage.get("completion_tokens") or (arrivals[i][-1][1] + 1 if arrivals[i] else 1))
                 observe(i, now, count)
         if not enough.is_set():
-            failure.append(f"a stream finished after {len(arrivals[i])} chunks, before the batch was steady")
-            enough.set()
+            fail(f"a stream finished after {len(arrivals[i])} chunks, before the batch was steady")
 
     tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
+    before = after = None
     try:
+        if t.clock == "engine":
+            await started.wait()
+            before = await t.metrics()
         await enough.wait()
+        if t.clock == "engine":
+            # A client that fell behind read its window in one burst, sooner than the engine
+            # took its steps: the engine's window is as long as it says.
+            after = await t.metrics()
+            while (_growth(before, after, f"{wire.ITL}_count") or 0) < batch * steady and not all(
+                task.done() for task in tasks
+            ):
+                await asyncio.sleep(0.02)
+                after = await t.metrics()
     finally:
         for task in tasks:
             task.cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # cancelled, or ended through fail()
         await t.wait_idle()
-    errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
-    if failure or errors:
-        raise ProfilerError(f"decode batch {batch} x {context}: {failure or errors}")
+    if failure:
+        raise ProfilerError(f"decode batch {batch} x {context}: {failure}")
     assert window_start is not None
+    steps, itl = _growth(before, after, f"{wire.ITL}_count"), _growth(before, after, f"{wire.ITL}_sum")
+    if t.clock == "engine" and not (steps and itl is not None):
+        raise ProfilerError(f"the engine clock needs {wire.ITL}, which {t.url} lacks or did not grow")
     slopes, contexts = [], []
     for a, s in zip(arrivals, window_start, strict=True):
         (t0, n0), (t1, n1) = a[s], a[-1]
@@ -316,7 +345,8 @@ async def _decode_point(
         # The step that produces token n reads c + n - 2 cached tokens (the sim's and
         # perfmodel.profile's convention: the tokens computed before the step).
         contexts.append(context + (n0 + 1 + n1) / 2 - 2)
-    return DecodeSample(batch=batch, context=sum(contexts), seconds=statistics.median(slopes), prompt_tokens=context)
+    seconds = itl / steps if steps and itl is not None else statistics.median(slopes)
+    return DecodeSample(batch=batch, context=sum(contexts), seconds=seconds, prompt_tokens=context)
 
 
 async def _transfer_point(

@@ -116,9 +116,7 @@ class EngineMetrics:
 
         token_buckets = _one_two_five(max_model_len)
         self.ttft = histogram(wire.TTFT, "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
+        self.itl = histogram(wire.ITL, "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
         )
