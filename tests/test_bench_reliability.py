@@ -34,6 +34,11 @@ def test_a_short_load_run_loses_no_round_and_reports_memory_and_added_latency(tm
     assert all(m["ttft_p50_ms"] <= m["ttft_p99_ms"] for m in gateway["by_minute"])
     assert gateway["by_minute"][0]["cpu_ms_per_round"] > 0
     assert gateway["by_minute"][0]["cpu_wait_ms_per_round"] >= 0
+    # At full load: the rounds sent after the ramp and before the deadline, a part of the whole.
+    for arm in (direct, gateway):
+        assert 0 < arm["steady"]["rounds"] < arm["rounds_ok"], arm["steady"]
+        assert arm["steady"]["ttft_p50_ms"] <= arm["steady"]["ttft_p99_ms"]
+    assert report["steady_ttft_p99_ratio"] == gateway["steady"]["ttft_p99_ms"] / direct["steady"]["ttft_p99_ms"]
 
 
 def test_a_short_chaos_run_survives_one_of_each_fault(tmp_path):

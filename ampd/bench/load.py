@@ -93,6 +93,7 @@ class ArmResult:
     duplicated_rounds: int = 0
     unverified_sessions: int = 0
     by_minute: list[dict] = field(default_factory=list)  # rounds sent in each minute, their TTFT p50 / p99
+    steady: dict = field(default_factory=dict)  # the rounds sent after the ramp and before the deadline
 
 
 def by_minute(record: ArmRecord) -> list[dict]:
@@ -105,7 +106,19 @@ def by_minute(record: ArmRecord) -> list[dict]:
             for m, v in sorted(minutes.items())]  # fmt: skip
 
 
-def summarise(arm: str, record: ArmRecord, seconds: float) -> ArmResult:
+def steady(record: ArmRecord, ramp_s: float, run_s: float) -> dict:
+    """TTFT p50 / p99 of the rounds sent once every agent had started and before the run's
+    time was up: the load the arm is named for. The ramp's rounds meet a lightly loaded
+    system, and so do those of the sessions that finish after the deadline; a short arm is
+    mostly those (a one-minute direct arm with a 30 s ramp), and its percentiles would be
+    its easiest minutes set against another arm's hardest."""
+    inside = [ttft for sent, ttft in zip(record.sent_s, record.ttft_s, strict=True) if ramp_s <= sent < run_s]
+    return {"from_s": ramp_s, "to_s": run_s, "rounds": len(inside),
+            "ttft_p50_ms": percentile_ms(inside, 0.5) if inside else None,
+            "ttft_p99_ms": percentile_ms(inside, 0.99) if inside else None}  # fmt: skip
+
+
+def summarise(arm: str, record: ArmRecord, seconds: float, ramp_s: float, run_s: float) -> ArmResult:
     failed = sum(record.errors.values())
     return ArmResult(
         arm, seconds, record.sessions, record.rounds_ok, record.rounds_ok / seconds, dict(record.errors),
@@ -113,6 +126,7 @@ def summarise(arm: str, record: ArmRecord, seconds: float) -> ArmResult:
         percentile_ms(record.ttft_s, 0.5) if record.ttft_s else float("nan"),
         percentile_ms(record.ttft_s, 0.99) if record.ttft_s else float("nan"),
         record.lost_rounds, record.duplicated_rounds, record.unverified_sessions, by_minute(record),
+        steady(record, ramp_s, run_s),
     )  # fmt: skip
 
 
@@ -293,7 +307,8 @@ def run_load_bench(
         delete_prefix(redis_handle.url, prefix)
         redis_handle.stop()
 
-    arms = [summarise("direct", direct, direct_s), summarise("gateway", via, via_s)]
+    arms = [summarise("direct", direct, direct_s, ramp_s, baseline_minutes * 60),
+            summarise("gateway", via, via_s, ramp_s, minutes * 60)]  # fmt: skip
     for minute in arms[1].by_minute:  # the gateway's CPU per round, and its wait for one, minute by minute
         inside = [(c, w) for t, c, w in cpu if minute["minute"] * 60 <= t <= (minute["minute"] + 1) * 60]
         for key, i in (("cpu_ms_per_round", 0), ("cpu_wait_ms_per_round", 1)):
@@ -305,6 +320,7 @@ def run_load_bench(
         "arms": [asdict(a) for a in arms],
         "added_ttft_p50_ms": arms[1].ttft_p50_ms - arms[0].ttft_p50_ms,
         "added_ttft_p99_ms": arms[1].ttft_p99_ms - arms[0].ttft_p99_ms,
+        "steady_ttft_p99_ratio": _ratio(arms[1].steady["ttft_p99_ms"], arms[0].steady["ttft_p99_ms"]),
         "gateway_rss_mib": {"start": steady[0] if steady else None, "end": steady[-1] if steady else None,
                             "max": max(steady) if steady else None},
         "gateway_requests_counted": counted, "rss_samples": samples,
@@ -330,6 +346,12 @@ def print_report(console: Console, report: dict, arms: Sequence[ArmResult]) -> N
     console.print(f"gateway adds TTFT {added}; "
                   f"RSS start {rss['start']:.0f} MiB, end {rss['end']:.0f} MiB, max {rss['max']:.0f} MiB; "
                   f"ampd_requests_total {report['gateway_requests_counted']}")  # fmt: skip
+    d, g = (a.steady for a in arms)
+    if d["rounds"] and g["rounds"]:
+        console.print(f"at full load (rounds sent after the {d['from_s']:.0f} s ramp, before the deadline): "
+                      f"direct {d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f} ms ({d['rounds']} rounds), "
+                      f"gateway {g['ttft_p50_ms']:.1f} / {g['ttft_p99_ms']:.1f} ms ({g['rounds']} rounds); "
+                      f"p99 {report['steady_ttft_p99_ratio']:.2f}x direct's")  # fmt: skip
     for a in arms:
         for kind, n in a.errors.items():
             console.print(f"  {a.arm} error x{n}: {kind}")
@@ -341,6 +363,10 @@ def print_report(console: Console, report: dict, arms: Sequence[ArmResult]) -> N
             str(m["minute"]), str(m["rounds"]), f"{m['ttft_p50_ms']:.1f} / {m['ttft_p99_ms']:.1f} ms", cpu, wait
         )
     console.print(minutes)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def _ms(value: float | None) -> str:
