@@ -106,7 +106,7 @@ def by_minute(record: ArmRecord) -> list[dict]:
             for m, v in sorted(minutes.items())]  # fmt: skip
 
 
-def steady(record: ArmRecord, ramp_s: float, run_s: float) -> dict:
+def at_full_load(record: ArmRecord, ramp_s: float, run_s: float) -> dict:
     """TTFT p50 / p99 of the rounds sent once every agent had started and before the run's
     time was up: the load the arm is named for. The ramp's rounds meet a lightly loaded
     system, and so do those of the sessions that finish after the deadline; a short arm is
@@ -126,7 +126,7 @@ def summarise(arm: str, record: ArmRecord, seconds: float, ramp_s: float, run_s:
         percentile_ms(record.ttft_s, 0.5) if record.ttft_s else float("nan"),
         percentile_ms(record.ttft_s, 0.99) if record.ttft_s else float("nan"),
         record.lost_rounds, record.duplicated_rounds, record.unverified_sessions, by_minute(record),
-        steady(record, ramp_s, run_s),
+        at_full_load(record, ramp_s, run_s),
     )  # fmt: skip
 
 
