@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import json
 import logging
 import os
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,12 +45,12 @@ from gateway.outage import REDIS_DOWN
 from gateway.rounds import Round
 from gateway.tracing import configure_otlp
 from gateway.upstream import Reply, UpstreamError
+from workers.parent_death import end_with_parent
 
 CHAT_PATH = "/v1/chat/completions"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's API (and its count_tokens): its errors have Anthropic's shape
 CONFIG_ENV = "AMPD_GATEWAY_CONFIG"  # a gateway of several processes: each one's configuration (JSON)
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -385,18 +383,12 @@ def app_from_environment() -> FastAPI:
     ``AMPD_GATEWAY_CONFIG``, without a replica id - each process is a replica of its own,
     as replicas on different hosts are (they share their state in Redis)."""
     config = GatewayConfig.model_validate_json(os.environ[CONFIG_ENV])
-    _end_with_parent()
+    # A process of several ends with its parent, so a gateway stopped hard leaves no replica
+    # serving that nobody can stop: uvicorn's parent waits for its workers, and a worker slow
+    # to shut down once got its parent killed by the caller's deadline and stayed behind.
+    end_with_parent(signal.SIGKILL)
     prepare_process(config, os.environ.get(OTLP_ENV))
     return create_app(config)
-
-
-def _end_with_parent() -> None:
-    """A process of several ends when its parent does (Linux's parent-death signal), so a
-    gateway stopped hard leaves no replica serving on that nobody can stop: uvicorn's
-    parent waits for its workers, and a worker slow to shut down once got its parent
-    killed by the caller's deadline and stayed behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 DOCUMENTED_BODIES = {  # the request bodies FastAPI cannot see: the routes read them themselves

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ import time
 import httpx
 
 from perfmodel.profile import Profile
+from workers.parent_death import end_with_parent
 from workers.registry import Registration, WorkerInfo, heartbeat_client
 from workers.vllm.launch import VllmLaunch, server_argv, server_env
 from workers.wire import cache_config, parse_load
@@ -45,9 +47,13 @@ async def supervise(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # Its own session: a Ctrl-C in the terminal reaches the supervisor only, which drains first.
+    # Its own session also survives a supervisor killed hard (a caller's deadline): SIGTERM
+    # on the supervisor's death stops it then, as vLLM stops on any SIGTERM. Seen without it:
+    # a supervisor SIGKILLed in a test's teardown left its vLLM engine busy-polling a core.
     engine = await asyncio.create_subprocess_exec(
-        *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True
-    )
+        *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True,
+        preexec_fn=functools.partial(end_with_parent, signal.SIGTERM, os.getpid()),
+    )  # fmt: skip
     redis = heartbeat_client(redis_url)
     try:
         async with httpx.AsyncClient(base_url=launch.url, timeout=10.0) as http:
