@@ -133,3 +133,12 @@ def kill_group(process: subprocess.Popen) -> None:
             if os.getsid(pid) == process.pid:
                 os.kill(pid, signal.SIGKILL)
     process.wait(timeout=10)
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (one that ended, waiting for whoever adopted it to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

@@ -10,7 +10,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +20,7 @@ from ampd.local_redis import free_port
 from ampd.processes import process_tree
 from gateway.tokens import sim_prompt_tokens
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
-from tests.engines import Engine, sse_events, start_gateway, start_sim_worker, stop
+from tests.engines import Engine, process_running, sse_events, start_gateway, start_sim_worker, stop
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
@@ -533,17 +532,9 @@ def test_a_gateway_of_two_processes_is_two_replicas_behind_one_port(stack):
         gateway.stop()
     assert len(processes) >= 2
     deadline = time.monotonic() + 30  # the workers, and multiprocessing's helper, end after their parent
-    while left := [p for p in processes if _running(p)]:
+    while left := [p for p in processes if process_running(p)]:
         assert time.monotonic() < deadline, f"still running after the gateway stopped: {left}"
         time.sleep(0.1)
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended
 
 
 def test_routes_shift_to_local_under_load(tmp_path):

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.engines import process_running
+
 ROOT = Path(__file__).resolve().parent.parent
 # A parent that starts a sleeping child in a session of its own (as the vLLM supervisor
 # starts vLLM), asking for SIGTERM on its death or not, and prints the child's pid.
@@ -25,14 +27,6 @@ child.wait()
 """
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for whoever adopted it to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _orphan(ask: bool, wait_s: float) -> tuple[int, bool]:
     """The child's pid, and whether it was still running ``wait_s`` after its parent was
     SIGKILLed (the wait ends early if it ends)."""
@@ -40,13 +34,13 @@ def _orphan(ask: bool, wait_s: float) -> tuple[int, bool]:
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    assert _running(child)
+    assert process_running(child)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + wait_s
-    while _running(child) and time.monotonic() < deadline:
+    while process_running(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return child, _running(child)
+    return child, process_running(child)
 
 
 def test_a_child_that_asked_ends_with_its_parent():
