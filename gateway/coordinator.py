@@ -43,7 +43,7 @@ from gateway.round_reads import RoundReads
 from gateway.rounds import Round, RoundRecorder, RoundRunner
 from gateway.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.stats import WindowedStats
-from gateway.tokens import sim_prompt_tokens
+from gateway.tokens import ServedTokenizers, sim_prompt_tokens
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.tracing import RoundTracer
 from gateway.upstream import EngineClient, Reply, UpstreamError
@@ -87,6 +87,7 @@ class Gateway:
             postponements=self.metrics.postponements,
         )  # fmt: skip
         self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
+        self.tokenizers = ServedTokenizers(self.redis, config.key_prefix, self.client, self.metrics.prompt_count_checks)
         self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
         self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
         self.reads = RoundReads(self.batch, self.sessions, self.queues, self.stats, self.health)
@@ -232,15 +233,18 @@ class Gateway:
         return wanted
 
     async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        """The prompt's length in tokens: counted here with the engine's own code where the
-        gateway has it (gateway.tokens), else by the least loaded decode worker. One that is
-        lost (killed since its last scrape) is left out of the pool and the next one asked."""
+        """The prompt's length in tokens: counted here with the engine's own code, or its
+        model's tokenizer and template, where the gateway has them (gateway.tokens), else by
+        the least loaded decode worker. One that is lost (killed since its last scrape) is
+        left out of the pool and the next one asked."""
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
             if self.pool.sim_engine(worker):
                 counted = sim_prompt_tokens(messages, tools)
-                if counted is not None:  # else the engine refuses the prompt: its error is the client's
-                    return counted
+            else:
+                counted = self.tokenizers.count(model, worker.info.url, messages, tools)
+            if counted is not None:  # else the engine is asked (where it refuses the prompt, its error is the client's)
+                return counted
             try:
                 return await self.client.tokenize(worker.info.url, model, messages, tools)
             except UpstreamError as exc:

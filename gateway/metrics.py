@@ -68,6 +68,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
+        self.prompt_count_checks = Counter(
+            "ampd_prompt_count_checks", "The gateway's prompt counts for vLLM engines, checked against theirs.",
+            ["result"], registry=r,
+        )  # fmt: skip
+        for result in ("equal", "differs"):
+            self.prompt_count_checks.labels(result)
         self.tool_seconds = Histogram(
             "ampd_tool_seconds", "Server-side tool call duration, queueing included.", ["tool"],
             buckets=LATENCY_BUCKETS, registry=r,

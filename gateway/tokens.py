@@ -7,8 +7,11 @@ a few hundred streams every ``/tokenize`` is a token it does not generate. For t
 GPU-free engine the gateway runs the engine's own tokenizer path instead: its request
 model (workers.sim.protocol), its chat template and its tokenizer (workers.sim.tokenizer),
 the three steps its ``/tokenize`` takes, so the count is the engine's by construction
-(tests/test_gateway.py checks it against ``/tokenize``). An engine the gateway does not
-know how to count for (vLLM: its model's tokenizer and chat template) is still asked.
+(tests/test_gateway.py checks it against ``/tokenize``). For a vLLM engine it runs the
+served model's tokenizer and chat template as vLLM applies them (gateway.model_tokenizer),
+with the files the engine's supervisor published in Redis (:class:`ServedTokenizers`),
+and checks a sample of its counts against the engine's. A model with no files published,
+or one whose count ever differed, is counted by its engine's ``/tokenize``.
 
 The count is made per message and remembered by the message's digest: the engine's
 template renders each message on its own between special tokens, which its tokenizer
@@ -23,14 +26,25 @@ sees it (gateway.pool).
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+import redis.asyncio as aioredis
+from prometheus_client import Counter
 from pydantic import ValidationError
 
+from gateway.model_tokenizer import ModelTokenizer
 from gateway.remembered import Remembered
+from gateway.upstream import EngineClient, UpstreamError
+from workers.registry import tokenizer_key
 from workers.sim.protocol import SYSTEM_FINGERPRINT_PREFIX, EngineError, Message, Tool, message_dicts
 from workers.sim.tokenizer import Tokenizer, render_chat
+
+log = logging.getLogger(__name__)
 
 SIM_ENGINE = "ampd-sim"  # what the pool calls an engine whose count the gateway can make itself
 # Pieces do not depend on the vocabulary (ids do, and are not needed): any size will do.
@@ -90,3 +104,74 @@ def sim_prompt_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]
             return None
         total += counted
     return total
+
+
+class ServedTokenizers:
+    """The vLLM-served models' tokenizers (gateway.model_tokenizer), loaded from Redis on
+    a model's first round, off its path: until one is loaded, and for a model whose
+    supervisor published no files (looked for again every ``RETRY_S``), ``count`` gives
+    None and the engine is asked."""
+
+    RETRY_S = 30.0
+
+    def __init__(self, redis: aioredis.Redis, prefix: str, client: EngineClient, checks: Counter) -> None:
+        self.redis, self.prefix, self.client, self.checks = redis, prefix, client, checks
+        self._models: dict[str, ModelTokenizer | None] = {}
+        self._looked_at: dict[str, float] = {}
+        self._distrusted: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def count(
+        self, model: str, url: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> int | None:
+        """The prompt's count for the engine at ``url``, or None where the engine must be asked."""
+        tokenizer = self._models.get(model)
+        if tokenizer is None:
+            self._load_later(model)
+            return None
+        counted = tokenizer.count(messages, tools)
+        if counted is not None and tokenizer.checking():
+            self._spawn(self._check(model, url, messages, tools, counted))
+        return counted
+
+    def _load_later(self, model: str) -> None:
+        if model in self._distrusted or time.monotonic() - self._looked_at.get(model, -self.RETRY_S) < self.RETRY_S:
+            return
+        self._looked_at[model] = time.monotonic()
+        self._spawn(self._load(model))
+
+    async def _load(self, model: str) -> None:
+        try:
+            raw = await self.redis.get(tokenizer_key(self.prefix, model))
+        except aioredis.RedisError as exc:
+            log.info("tokenizer files of %s not read (%r): its engines count its prompts", model, exc)
+            return
+        if raw is None:
+            return
+        try:  # a large tokenizer.json takes a while to build: not on the event loop
+            self._models[model] = await asyncio.to_thread(ModelTokenizer, json.loads(raw))
+        except Exception as exc:  # Unsupported, bad JSON, or what tokenizers and Jinja raise for bad files
+            log.warning("cannot count %s's prompts in the gateway (%s): its engines count them", model, exc)
+            self._distrusted.add(model)
+
+    async def _check(
+        self, model: str, url: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, counted: int
+    ) -> None:
+        try:
+            engines = await self.client.tokenize(url, model, messages, tools)
+        except UpstreamError:
+            return  # no answer to compare with; a later round is checked
+        if engines == counted:
+            self.checks.labels("equal").inc()
+            return
+        self.checks.labels("differs").inc()
+        if model not in self._distrusted:
+            log.warning("the gateway counted %d prompt tokens of %s where its engine counts %d: "
+                        "its engines count its prompts from now on", counted, model, engines)  # fmt: skip
+            self._distrusted.add(model)
+            self._models.pop(model, None)
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -30,9 +31,11 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn
+from gateway.model_tokenizer import ModelTokenizer
+from tests import conversations
 from tests import test_engine_protocol as protocol
 from tests.engines import METRICS_TIMEOUT_S, Engine, start_gateway
-from workers.registry import WorkerInfo, live_workers
+from workers.registry import WorkerInfo, live_workers, tokenizer_key
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +53,7 @@ VLLM_ARGS = (
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",
+    "--trust-request-chat-template",  # tests/test_vllm.py counts prompts under a template of its own
 )
 READY_TIMEOUT_S = 480.0
 
@@ -314,6 +318,38 @@ def test_a_tool_session_through_the_gateway_hands_kv_over_with_nixl(vllm, gatewa
         ("initial", "remote"), ("incremental", "local"), ("incremental", "remote"), ("incremental", "local"),
     ]  # fmt: skip
     assert all(r["ttft_s"] > 0 for r in body["rounds"])
+
+
+def test_the_gateway_counts_prompts_as_vllm_does(vllm, gateways):
+    """With the tokenizer files the supervisor published, the gateway's count
+    (gateway.model_tokenizer) is vLLM's own ``/tokenize`` count for random agent
+    conversations (tests/conversations.py) - under the model's template, which loops over
+    content parts, and under one that reads content as a string (given in the request) -
+    and the gateway over vLLM counts its prompts itself: every count it checked against
+    the engine's agreed."""
+    _, decode, prefix = vllm
+    published = json.loads(redis.Redis.from_url(REDIS_URL).get(tokenizer_key(prefix, MODEL)))
+    rng = random.Random(11)
+    for template in (None, conversations.STRING_TEMPLATE):
+        tokenizer = ModelTokenizer(published | {"chat_template": template})
+        for _ in range(120):
+            messages, tools = conversations.conversation(rng)
+            body = {"model": MODEL, "messages": messages} | ({"tools": tools} if tools else {})
+            body |= {"chat_template": template} if template else {}
+            response = httpx.post(f"{decode.url}/tokenize", json=body, timeout=60)
+            assert tokenizer.count(messages, tools) == response.json()["count"], body
+    session_id = f"count-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Weather in Oslo?"}]
+    for _ in range(3):  # the first round loads the files; the next ones are counted in the gateway
+        reply = chat(gateways[1], session_id, messages).json()["choices"][0]["message"]
+        messages += [{"role": "assistant", "content": reply["content"] or ""}, {"role": "user", "content": "And now?"}]
+
+    def checked() -> bool:
+        text = httpx.get(f"{gateways[1]}/metrics", timeout=METRICS_TIMEOUT_S).text
+        assert 'ampd_prompt_count_checks_total{result="differs"} 0.0' in text
+        return 'ampd_prompt_count_checks_total{result="equal"} 0.0' not in text
+
+    until(checked, 60, "the gateway's counts checked against the engine's")
 
 
 def test_a_failed_kv_pull_is_recomputed_on_the_decode_engine(vllm):

@@ -96,6 +96,11 @@ def _index(prefix: str) -> str:
     return f"{prefix}:workers"
 
 
+def tokenizer_key(prefix: str, model: str) -> str:
+    """A served model's tokenizer files (workers.vllm.tokenizer_files), one key per model name."""
+    return f"{prefix}:tokenizer:{model}"
+
+
 async def register(redis: aioredis.Redis, prefix: str, info: WorkerInfo, ttl_s: float = HEARTBEAT_TTL_S) -> None:
     async with redis.pipeline(transaction=True) as pipe:
         pipe.hset(_key(prefix, info.worker_id), mapping=info.to_redis())

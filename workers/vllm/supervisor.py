@@ -24,6 +24,7 @@ import httpx
 from perfmodel.profile import Profile
 from workers.parent_death import end_with_parent
 from workers.registry import Registration, WorkerInfo, heartbeat_client
+from workers.vllm import tokenizer_files
 from workers.vllm.launch import VllmLaunch, server_argv, server_env
 from workers.wire import cache_config, parse_load
 
@@ -60,6 +61,7 @@ async def supervise(
             info = await _wait_ready(engine, http, launch, profile, stop, ready_timeout_s)
             if info is None:
                 return 0 if stop.is_set() else 1
+            await tokenizer_files.publish(redis, prefix, launch)  # before any gateway sees the engine
             registration = Registration(redis, prefix, info)
             beat = asyncio.create_task(registration.run())
             log.info("%s ready at %s (KV %d tokens)", info.worker_id, info.url, info.kv_capacity_tokens)
