@@ -61,6 +61,7 @@ from gateway.remembered import Remembered
 
 CHECK_FIRST = 32  # counts of a model checked against its engine before sampling starts
 CHECK_EVERY = 256  # ... then one in this many
+MESSAGES_KEPT = 8192  # messages remembered as the template takes them, per content format
 _TEXT_PART_KEYS = {"type", "text"}
 _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips this line from system messages
 
@@ -92,7 +93,9 @@ class ModelTokenizer:
         self._split = _piece_splitter(json.loads(files["tokenizer"]))
         self._piece = Remembered(self._encoded)
         # A session's messages come back every round: each is made over once, in each format.
-        self._message = {fmt: Remembered(functools.partial(_message, openai_format=fmt)) for fmt in (False, True)}
+        # The table holds the messages themselves, so it is kept smaller than the pieces' counts.
+        self._message = {fmt: Remembered(functools.partial(_message, openai_format=fmt), MESSAGES_KEPT)
+                         for fmt in (False, True)}  # fmt: skip
         self.counted = 0  # counts made, for the check's sampling
 
     # -- the count --------------------------------------------------------------------
