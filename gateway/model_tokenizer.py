@@ -113,8 +113,8 @@ class ModelTokenizer:
             text = self._compiled[name].render(
                 messages=conversation, tools=tool_dicts, documents=None, add_generation_prompt=True, **self.variables
             )
-        except (jinja2.TemplateError, TypeError, ValueError):
-            return None  # the engine refuses it too, in its own words
+        except Exception:  # what a template raises is its own (raise_exception, a bad filter, ...)
+            return None  # the engine then answers for it, in its own words
         self.counted += 1
         return self.tokens(text)
 
