@@ -40,6 +40,30 @@ STRING_TEMPLATE = """
 {%- if add_generation_prompt %}<|assistant|> {% endif %}
 """
 
+# One more in the shape of today's agent models' templates: the system message taken out
+# of the loop (a namespace, a slice of ``messages``), the date from ``strftime_now``, tools
+# written with ``tojson(indent=2)``, tool calls as a dict literal, ``trim`` and ``loop.last``.
+AGENT_TEMPLATE = """
+{%- set ns = namespace(system='') %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set ns.system = messages[0]['content'] | trim %}
+    {%- set rest = messages[1:] %}
+{%- else %}
+    {%- set rest = messages %}
+{%- endif %}
+{{- bos_token }}<|system|> {{ strftime_now('%Y') | length }} {{ ns.system }}
+{%- if tools %} Tools: {% for t in tools %}{{ t.function.name }}={{ t.function | tojson(indent=2) }}\
+{% if not loop.last %}, {% endif %}{% endfor %}{% endif %}</s>
+{%- for m in rest %}
+    {%- if m.role == 'tool' %}<|tool|> {{ m.tool_call_id }}: {{ m.content }}</s>
+    {%- elif m.tool_calls %}<|assistant|>{% for c in m.tool_calls %}<tool_call>\
+{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>
+    {%- else %}<|{{ m.role }}|> {{ m.content | trim }}</s>
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>{% endif %}
+"""
+
 
 def text(rng: random.Random) -> str:
     return "".join(rng.choice(WORDS) + rng.choice(["", " "]) for _ in range(rng.randint(0, 25)))

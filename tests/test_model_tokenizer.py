@@ -52,7 +52,9 @@ def rendered(tokenizer: ModelTokenizer, messages: list, tools: list | None) -> s
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("template", [None, conversations.STRING_TEMPLATE], ids=["parts", "string"])
+@pytest.mark.parametrize(
+    "template", [None, conversations.STRING_TEMPLATE, conversations.AGENT_TEMPLATE], ids=["parts", "string", "agent"]
+)
 def test_pieces_between_added_tokens_add_up_to_the_whole_prompt(model_dir, template):
     """The count sums the pieces between the tokenizer's added tokens, each remembered: it
     equals encoding the rendered prompt whole, for rendered conversations and for strings
@@ -95,7 +97,9 @@ def test_the_content_format_follows_the_template(model_dir):
     """As vLLM detects it: the tiny model's template loops over a message's content parts,
     so text stays in parts; a template that prints ``content`` reads one string."""
     parts, string = ModelTokenizer(files(model_dir)), ModelTokenizer(files(model_dir, conversations.STRING_TEMPLATE))
-    assert parts._openai_format == {"default": True} and string._openai_format == {"default": False}
+    agent = ModelTokenizer(files(model_dir, conversations.AGENT_TEMPLATE))
+    assert parts._openai_format == {"default": True}
+    assert string._openai_format == agent._openai_format == {"default": False}
     sliced = "{% for m in messages[1:] %}{% for p in m['content'] | list %}{{ p.text }}{% endfor %}{% endfor %}"
     assert ModelTokenizer(files(model_dir, sliced))._openai_format == {"default": True}
     user = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}, "b"]}

@@ -324,15 +324,15 @@ def test_the_gateway_counts_prompts_as_vllm_does(vllm, gateways):
     """With the tokenizer files the supervisor published, the gateway's count
     (gateway.model_tokenizer) is vLLM's own ``/tokenize`` count for random agent
     conversations (tests/conversations.py) - under the model's template, which loops over
-    content parts, and under one that reads content as a string (given in the request) -
+    content parts, and under two that read content as a string (given in the request) -
     and the gateway over vLLM counts its prompts itself: every count it checked against
     the engine's agreed."""
     _, decode, prefix = vllm
     published = json.loads(redis.Redis.from_url(REDIS_URL).get(tokenizer_key(prefix, MODEL)))
     rng = random.Random(11)
-    for template in (None, conversations.STRING_TEMPLATE):
+    for template in (None, conversations.STRING_TEMPLATE, conversations.AGENT_TEMPLATE):
         tokenizer = ModelTokenizer(published | {"chat_template": template})
-        for _ in range(120):
+        for _ in range(100):
             messages, tools = conversations.conversation(rng)
             body = {"model": MODEL, "messages": messages} | ({"tools": tools} if tools else {})
             body |= {"chat_template": template} if template else {}
