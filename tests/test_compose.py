@@ -162,6 +162,7 @@ def test_telemetry_wiring_points_at_services_that_exist():
         "ampd_slo_rounds_total",
         "ampd_worker_role",
         "ampd_role_moves_total",
+        "ampd_prompt_count_checks_total",
     ],  # fmt: skip
 )
 def test_the_dashboard_charts_what_the_gateway_exports(metric):
