@@ -39,7 +39,7 @@ that strip no whitespace; any other tokenizer is encoded whole.
 **Checked.** vLLM's preprocessing changes between releases, and chat templates vary, so
 the gateway does not take this on trust: the first counts of every model, and one in
 ``CHECK_EVERY`` after, are also asked of the engine, off the round's path
-(gateway.coordinator), and a model whose count ever differs is counted by its engine
+(gateway.tokens.ServedTokenizers), and a model whose count ever differs is counted by its engine
 from then on.
 """
 
@@ -83,8 +83,9 @@ class ModelTokenizer:
         if not templates:
             raise Unsupported("the model has no chat template")
         self._templates = templates if isinstance(templates, dict) else {"default": templates}
-        self._compiled = {name: _environment().from_string(text) for name, text in self._templates.items()}
-        self._openai_format = {name: _loops_over_content(text) for name, text in self._templates.items()}
+        env = _environment()
+        self._compiled = {name: env.from_string(text) for name, text in self._templates.items()}
+        self._openai_format = {name: _loops_over_content(env.parse(text)) for name, text in self._templates.items()}
         self.variables = {
             key: _token_text(config[key])
             for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -240,10 +241,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _loops_over_content(template: str) -> bool:
-    """vLLM's content-format detection: "openai" (True) where the template loops over a
-    message's ``content`` (or over a variable named ``content``), else "string"."""
-    root = _environment().parse(template)
+def _loops_over_content(root: jinja2.nodes.Template) -> bool:
+    """vLLM's content-format detection, on the template's syntax tree: "openai" (True)
+    where it loops over a message's ``content`` (or a variable named ``content``), else
+    "string"."""
     messages = {"messages"} | {a.target.name for a in root.find_all(jinja2.nodes.Assign)
                                if isinstance(a.target, jinja2.nodes.Name) and _reads(a.node, {"messages"})}  # fmt: skip
     items = {f.target.name for f in root.find_all(jinja2.nodes.For)

@@ -116,7 +116,7 @@ class ServedTokenizers:
 
     def __init__(self, redis: aioredis.Redis, prefix: str, client: EngineClient, checks: Counter) -> None:
         self.redis, self.prefix, self.client, self.checks = redis, prefix, client, checks
-        self._models: dict[str, ModelTokenizer | None] = {}
+        self._models: dict[str, ModelTokenizer] = {}
         self._looked_at: dict[str, float] = {}
         self._distrusted: set[str] = set()
         self._tasks: set[asyncio.Task] = set()

@@ -19,7 +19,7 @@ from huggingface_hub import constants
 from prometheus_client import CollectorRegistry, Counter
 from tokenizers import Tokenizer
 
-from gateway.model_tokenizer import ModelTokenizer, _environment, _message
+from gateway.model_tokenizer import ModelTokenizer, _environment, _message, _tool
 from gateway.tokens import ServedTokenizers
 from gateway.upstream import EngineClient
 from tests import conversations
@@ -43,9 +43,7 @@ def files(model_dir: Path, chat_template: str | None = None) -> dict:
 def rendered(tokenizer: ModelTokenizer, messages: list, tools: list | None) -> str:
     fmt = tokenizer._openai_format["default"]
     conversation = [_message(m, fmt) for m in messages]
-    tool_dicts = [{"type": "function", "function": {"name": t["function"]["name"],
-                   "description": t["function"].get("description"), "parameters": t["function"]["parameters"]}}
-                  for t in tools or []] or None  # fmt: skip
+    tool_dicts = [_tool(t) for t in tools] if tools else None
     return tokenizer._compiled["default"].render(
         messages=conversation, tools=tool_dicts, documents=None, add_generation_prompt=True, **tokenizer.variables
     )
