@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import orjson
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
@@ -430,19 +431,13 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         raw += part
         if len(raw) > limit:
             raise APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
-    try:
-        body = json.loads(raw, parse_constant=_not_json)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    try:  # orjson: strict JSON (no NaN or Infinity, engines refuse them too), UTF-8 only; 2-8x the stdlib's speed
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     return body
-
-
-def _not_json(constant: str) -> float:
-    """NaN and Infinity, which Python's parser takes and JSON has not: refused, as engines
-    refuse them (and an engine's body could not carry them as sent)."""
-    raise json.JSONDecodeError(f"{constant} is not a JSON value", constant, 0)
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ampd.bench.overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
+from ampd.local_redis import free_port
+from ampd.processes import Child, wait_healthy
 
 
 @pytest.mark.unit
@@ -66,7 +69,7 @@ def test_overhead_is_measured_against_direct_and_compared_with_ampd():
 
 def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/13"}
-    command = [sys.executable, "-m", "ampd.cli", "bench", "overhead", "--arms", "direct,ampd,ampd-x2",
+    command = [sys.executable, "-m", "ampd.cli", "bench", "overhead", "--arms", "direct,ampd,ampd-x2,relay",
                "--levels", "1,3", "--requests", "2", "--output-tokens", "8", "--tool-rounds", "2",
                "--out", str(tmp_path / "o.json")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
@@ -74,17 +77,20 @@ def test_the_direct_and_ampd_arms_run_for_real(tmp_path):
     data = json.loads((tmp_path / "o.json").read_text())
     assert data["tool_rounds"] == 2  # every request carried an agent's two tool calls and results
     assert [(x["arm"], x["streams"], x["requests"]) for x in data["levels"]] == [
-        ("direct", 1, 2), ("ampd", 1, 2), ("ampd-x2", 1, 2), ("direct", 3, 6), ("ampd", 3, 6), ("ampd-x2", 3, 6)
+        ("direct", 1, 2), ("ampd", 1, 2), ("ampd-x2", 1, 2), ("relay", 1, 2),
+        ("direct", 3, 6), ("ampd", 3, 6), ("ampd-x2", 3, 6), ("relay", 3, 6),
     ]  # fmt: skip
-    # Every token came through the gateway as it did directly (8 tokens, plus role and usage events).
+    # Every token came through the gateway, and the bare relay, as it did directly (8 tokens,
+    # plus role and usage events).
     events = {x["arm"]: x["events_per_request"] for x in data["levels"] if x["streams"] == 3}
-    assert events["ampd"] == events["ampd-x2"] == events["direct"] >= 8
+    assert events["ampd"] == events["ampd-x2"] == events["relay"] == events["direct"] >= 8
     # The gateway's CPU per request is read from /proc - for two processes, the parent's and
     # its children's - and the direct arm has no proxy to charge.
     cpu = {x["arm"]: x["cpu_ms_per_request"] for x in data["levels"] if x["streams"] == 3}
-    assert cpu["direct"] is None and 0 < cpu["ampd"] < 1000 and 0 < cpu["ampd-x2"] < 1000
+    assert cpu["direct"] is None and 0 < cpu["ampd"] < 1000 and 0 < cpu["ampd-x2"] < 1000 and 0 < cpu["relay"] < 1000
     for row in data["overheads"]:
-        assert row["arm"] in ("ampd", "ampd-x2") and math.isfinite(row["added_p50_ms"]) and row["request_rate"] > 0
+        assert row["arm"] in ("ampd", "ampd-x2", "relay") and math.isfinite(row["added_p50_ms"])
+        assert row["request_rate"] > 0
     assert data["failures"] == {} and "| 3 | ampd |" in (tmp_path / "o.md").read_text()
     wrong = subprocess.run([*command[:5], "--arms", "direct,nginx"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "unknown arms" in wrong.stdout
@@ -100,3 +106,19 @@ def test_the_statistics_bench_runs_on_a_redis_of_its_own(tmp_path):
     levels = json.loads((tmp_path / "s.json").read_text())["levels"]
     assert [(n, x["means"]) for n, x in levels.items()] == [("2", 3), ("16", 17)]
     assert all(x["read_us"] > 0 and x["write_us"] > 0 for x in levels.values())
+
+
+def test_the_relay_arm_answers_what_it_cannot_relay():
+    """The bare relay (ampd.bench.relay) serves /health, refuses other paths with a 404, and
+    answers a 502 in OpenAI's error shape while its engine cannot be reached."""
+    port, dead = free_port(), free_port()
+    argv = [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{dead}"]
+    relay = Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(argv))
+    try:
+        assert wait_healthy([relay], path="/health") is None
+        assert httpx.get(f"{relay.url}/v1/models").status_code == 404
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+        lost = httpx.post(f"{relay.url}/v1/chat/completions", json=body, timeout=30)
+        assert lost.status_code == 502 and "unreachable" in lost.json()["error"]["message"]
+    finally:
+        relay.stop()

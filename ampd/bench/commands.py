@@ -53,8 +53,12 @@ def bench_gateway(
 @bench_app.command("overhead")
 def bench_overhead(
     arms: Annotated[
-        str, typer.Option(help="comma-separated, of direct, ampd (ampd-xN: N gateway processes), litellm, vllm-router")
-    ] = "direct,ampd,litellm,vllm-router",
+        str,
+        typer.Option(
+            help="comma-separated, of direct, ampd (ampd-xN: N gateway processes), relay (a bare Python "
+            "relay on ampd's stack), litellm, vllm-router"
+        ),
+    ] = "direct,ampd,relay,litellm,vllm-router",
     levels: Annotated[str, typer.Option(help="concurrent streams, comma-separated")] = "1,64,256",
     requests: Annotated[int, typer.Option(help="requests per stream at each level")] = 5,
     output_tokens: int = 32,
@@ -63,7 +67,7 @@ def bench_overhead(
     ] = 0,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here (and Markdown beside)")] = None,
 ) -> None:
-    """Latency ampd, LiteLLM's proxy and vllm-router add over calling one worker directly."""
+    """Latency ampd, a bare relay, LiteLLM's proxy and vllm-router add over calling one worker directly."""
     from ampd.bench.overhead import run_overhead_bench
 
     level_list = [int(x) for x in levels.split(",")]

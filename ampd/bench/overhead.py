@@ -1,9 +1,11 @@
 """`ampd bench overhead`: the latency a gateway adds, against peer gateways.
 
-One GPU-free worker (role ``both``, pinned to one core) is called four ways, in one run:
+One GPU-free worker (role ``both``, pinned to one core) is called five ways, in one run:
 (a) directly, (b) through the ampd gateway (``ampd``: one process; ``ampd-xN``: N
 processes sharing its port, ``ampd gateway --processes N``), (c) through LiteLLM's proxy,
-(d) through the ``vllm-router`` package (the vLLM project's Rust router). Each peer is installed from
+(d) through the ``vllm-router`` package (the vLLM project's Rust router), (e) through
+``relay`` (ampd.bench.relay: ampd's server and engine connections relaying bytes and doing
+nothing else - the floor of a gateway on ampd's Python stack). Each peer is installed from
 PyPI into its own venv under bench/venvs/ at run time (never vendored), pinned below.
 At each level of concurrent streams - each stream sending streamed chat completions one
 after another - the arms run one after the other, so a level's numbers share the
@@ -41,7 +43,7 @@ from ampd.processes import Child, spawn_gateway, spawn_sim_worker, tree_total, w
 VENVS = Path("bench/venvs")
 # The versions this benchmark was run with; a venv is reused while its marker matches.
 REQUIREMENTS = {"litellm": "litellm[proxy]==1.106.2", "vllm-router": "vllm-router==0.1.17"}
-ARMS = ("direct", "ampd", "litellm", "vllm-router")
+ARMS = ("direct", "ampd", "relay", "litellm", "vllm-router")
 GATEWAY_ARM = re.compile(r"ampd(?:-x([1-9][0-9]*))?")  # ampd, or ampd-xN: N gateway processes
 
 
@@ -92,7 +94,7 @@ def peer_argv(peer: str, venv: Path, port: int, upstream: str, config: Path) -> 
 PEER_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEMA_UPDATE": "True",
             "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true", "HF_HUB_OFFLINE": "1",
             "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # fmt: skip
-HEALTH = {"ampd": "/readyz", "litellm": "/health/liveliness", "vllm-router": "/health"}
+HEALTH = {"ampd": "/readyz", "litellm": "/health/liveliness", "vllm-router": "/health", "relay": "/health"}
 
 
 def ensure_venv(peer: str) -> Path:
@@ -238,13 +240,15 @@ def measure(
 
 # -- the run ---------------------------------------------------------------------------------
 def _start_peer(peer: str, upstream: str, model: str, state: Path) -> Child:
-    venv = ensure_venv(peer)
-    config = state / f"{peer}.json"
-    config.write_text(litellm_config(model, upstream))
     port = free_port()
+    if peer == "relay":  # this package's own, in this interpreter
+        argv = [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", upstream]
+    else:
+        config = state / f"{peer}.json"
+        config.write_text(litellm_config(model, upstream))
+        argv = peer_argv(peer, ensure_venv(peer), port, upstream, config)
     log = (state / f"{peer}.log").open("ab")
-    process = subprocess.Popen(peer_argv(peer, venv, port, upstream, config), stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, **PEER_ENV})  # fmt: skip
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **PEER_ENV})
     child = Child(peer, f"http://127.0.0.1:{port}", process)
     if wait_healthy([child], timeout_s=120, path=HEALTH[peer]) is not None:
         child.stop()
@@ -291,7 +295,7 @@ def run_overhead_bench(
             if wait_healthy([gateway], path="/readyz"):
                 raise RuntimeError(f"the {arm} gateway did not start")
             urls[arm], pids[arm] = gateway.url, gateway.process.pid
-        for peer in (a for a in arms if a in ("litellm", "vllm-router")):
+        for peer in (a for a in arms if a in ("relay", "litellm", "vllm-router")):
             with console.status(f"installing and starting {peer}"):
                 try:
                     children.append(_start_peer(peer, worker.url, model, state))
@@ -308,9 +312,13 @@ def run_overhead_bench(
         for streams in levels:
             for arm in running:
                 console.print(f"{streams} streams through {arm} ...")
-                results.append(
-                    measure(arm, urls[arm], model, streams, requests, output_tokens, tool_rounds, pids.get(arm))
-                )
+                try:
+                    results.append(
+                        measure(arm, urls[arm], model, streams, requests, output_tokens, tool_rounds, pids.get(arm))
+                    )
+                except (RuntimeError, OSError) as exc:  # a peer that fails a request: its level has no result
+                    failures.setdefault(arm, f"a request failed at {streams} streams: {exc}")
+                    console.print(f"[yellow]{arm} failed at {streams} streams: {exc}[/yellow]")
     finally:
         for child in reversed(children):
             child.stop()
