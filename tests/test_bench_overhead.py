@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from ampd.bench.overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
+from ampd.bench.relay import relay_argv
 from ampd.local_redis import free_port
 from ampd.processes import Child, wait_healthy
 
@@ -112,8 +113,7 @@ def test_the_relay_arm_answers_what_it_cannot_relay():
     """The bare relay (ampd.bench.relay) serves /health, refuses other paths with a 404, and
     answers a 502 in OpenAI's error shape while its engine cannot be reached."""
     port, dead = free_port(), free_port()
-    argv = [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", f"http://127.0.0.1:{dead}"]
-    relay = Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(argv))
+    relay = Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(relay_argv(port, f"http://127.0.0.1:{dead}")))
     try:
         assert wait_healthy([relay], path="/health") is None
         assert httpx.get(f"{relay.url}/v1/models").status_code == 404

@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.bench.gateway import drive, percentile_ms
+from ampd.bench.relay import relay_argv
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, tree_total, wait_healthy
 
@@ -242,7 +243,7 @@ def measure(
 def _start_peer(peer: str, upstream: str, model: str, state: Path) -> Child:
     port = free_port()
     if peer == "relay":  # this package's own, in this interpreter
-        argv = [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", upstream]
+        argv = relay_argv(port, upstream)
     else:
         config = state / f"{peer}.json"
         config.write_text(litellm_config(model, upstream))

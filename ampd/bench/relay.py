@@ -13,6 +13,7 @@ costs; this arm's over vllm-router's, what the Python stack itself costs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Annotated, Any
 
@@ -20,14 +21,19 @@ import orjson
 import typer
 import uvicorn
 
+from gateway.app import CHAT_PATH
 from gateway.engine_connections import EngineConnections, Lost
 
-CHAT_PATH = "/v1/chat/completions"
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 _JSON = {"Content-Type": "application/json"}
+
+
+def relay_argv(port: int, upstream: str) -> list[str]:
+    """The command that serves the relay on ``port`` in front of ``upstream``, in this interpreter."""
+    return [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", upstream]
 
 
 def relay_app(upstream: str) -> App:

@@ -17,7 +17,6 @@ Output of the run behind the README: cpu_by_tokens.txt.
 import asyncio
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +25,7 @@ import httpx
 import numpy as np
 
 from ampd.bench.gateway import drive
+from ampd.bench.relay import relay_argv
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 
@@ -42,8 +42,7 @@ def start(arm: str, worker: Child, registry: list[str], state: Path) -> Child:
     if arm == "ampd":
         return spawn_gateway("ampd", free_port(), [*registry, "--prefill-slots", "4096"], state / "ampd.log")
     port = free_port()
-    argv = [sys.executable, "-m", "ampd.bench.relay", "--port", str(port), "--upstream", worker.url]
-    return Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(argv))
+    return Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(relay_argv(port, worker.url)))
 
 
 def main() -> None:
