@@ -124,6 +124,7 @@ class Gateway:
         await self.queues.stop()
         await self.client.close()
         self.tools.close()
+        await self.batch.close()
         await self.redis.aclose()
 
     async def _refresh_forever(self) -> None:

@@ -23,6 +23,9 @@ three runs each): CPU per request -20% at 64 streams, -13% at 256 against one pi
 per loop turn with several out at once, which itself was -2% / -9% against a round
 trip per command; sending a lone command at once instead of as a pipeline of one a loop
 turn later: -0.5 ms of latency added at one stream.
+
+With one thing out at a time the batch needs one connection and none of redis-py's
+command path: what it sends goes over a connection of its own (gateway.redis_channel).
 """
 
 from __future__ import annotations
@@ -31,39 +34,34 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import hiredis
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import DataError, NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError
 
-Command = tuple[tuple[Any, ...], dict[str, Any]]  # redis-py's staged form: (args, options)
+from gateway.redis_channel import Command, RedisChannel, pack
 
 
 class PackedConnection(aioredis.Connection):
     """redis-py's asyncio connection, packing commands with hiredis' C packer as its
-    synchronous client does (``HiredisRespSerializer``) instead of in Python: a round's
-    commands carry ~120 arguments (its conversation's keys, the signals of every
-    candidate worker, the session's fields), 63 against 20 us for a 32-argument script
-    call here. Same bytes on the wire. The packer is called directly: redis-py's wrapper
-    (``HiredisRespSerializer.pack``) first copies every argument in a Python loop, to turn
-    buffers the gateway never sends into bytes."""
+    synchronous client does (``HiredisRespSerializer``) instead of in Python: 63 against
+    20 us for a 32-argument script call here, the same bytes on the wire. For the
+    gateway's commands that do not go through the batch (sessions read, the worker
+    registry, statistics read off the request path)."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        name = args[0].encode() if isinstance(args[0], str) else args[0]
-        if b" " in name:  # a two-word command, as redis-py names some ("SCRIPT LOAD")
-            args = (*name.split(), *args[1:])
-        try:
-            return [hiredis.pack_command(args)]
-        except TypeError as exc:  # as redis-py reports an argument it cannot send (None, say)
-            raise DataError(str(exc)) from exc
+        return [pack(args)]
 
 
 class RedisBatch:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
+        self.channel = RedisChannel(redis)
         self._queued: list[tuple[list[Command], asyncio.Future[list[Any]]]] = []
         self._out = False  # a command or a pipeline is on its way to Redis
         self._flushing: set[asyncio.Task] = set()
+
+    async def close(self) -> None:
+        await self.channel.close()
 
     async def script(self, script: AsyncScript, keys: Sequence[Any] = (), args: Sequence[Any] = ()) -> Any:
         """``script(keys=keys, args=args)``, with the commands of other rounds waiting to
@@ -96,19 +94,9 @@ class RedisBatch:
             return await future
         self._out = True
         try:
-            return await self._alone(commands)
+            return await self.channel.send(commands)
         finally:
             self._back()
-
-    async def _alone(self, commands: list[Command]) -> list[Any]:
-        """A caller's commands sent by itself, nothing else being out: its replies, errors among them."""
-        if len(commands) > 1:
-            return await self._pipe(commands).execute(raise_on_error=False)
-        ((args, options),) = commands
-        try:
-            return [await self.redis.execute_command(*args, **options)]
-        except ResponseError as exc:  # Redis answered: an error reply, as a pipeline gives it
-            return [exc]
 
     def _back(self) -> None:
         """What was out is back: what queued meanwhile goes now, as one pipeline."""
@@ -125,16 +113,9 @@ class RedisBatch:
         self._flushing.discard(task)
         self._back()
 
-    def _pipe(self, commands: Sequence[Command]) -> aioredis.client.Pipeline:
-        pipe = self.redis.pipeline(transaction=False)
-        for args, options in commands:
-            pipe.execute_command(*args, **options)
-        return pipe
-
     async def _execute(self, queued: list[tuple[list[Command], asyncio.Future[list[Any]]]]) -> None:
-        pipe = self._pipe([command for commands, _ in queued for command in commands])
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            replies = await self.channel.send([command for commands, _ in queued for command in commands])
         except DataError as exc:
             if len(queued) > 1:
                 # A caller's arguments Redis cannot take, found before anything was sent: the
