@@ -112,6 +112,7 @@ class RedisChannel:
         )
         self._replies: _Replies | None = None
         self._connecting: asyncio.Task[_Replies] | None = None
+        self._closed = False
 
     async def send(self, commands: Sequence[Command]) -> list[Any]:
         """Each command's reply, or its error reply as an exception, in order; a
@@ -127,6 +128,8 @@ class RedisChannel:
         return [self._parsed(reply, args, options) for reply, (args, options) in zip(raw, commands, strict=True)]
 
     async def close(self) -> None:
+        """Close the connection; what is on its way fails, and nothing opens it again."""
+        self._closed = True
         if self._connecting is not None:
             self._connecting.cancel()
         if self._replies is not None and self._replies.transport is not None:
@@ -134,6 +137,8 @@ class RedisChannel:
         self._replies = self._connecting = None
 
     async def _exchange(self, data: bytes, count: int) -> list[Any]:
+        if self._closed:
+            raise ConnectionError("the gateway's Redis channel is closed")
         replies = self._replies
         if replies is None or replies.lost is not None:
             replies = await self._connected()

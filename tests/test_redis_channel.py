@@ -188,6 +188,10 @@ def test_redis_restarted_between_commands_costs_no_command_and_redis_away_is_an_
             server.wait()
             with pytest.raises(ConnectionError):
                 await channel.send([(("INCR", "n"), {})])
+            server = start()
+            await channel.close()  # the gateway stopping: closed for good
+            with pytest.raises(ConnectionError, match="closed"):
+                await channel.send([(("INCR", "n"), {})])
         finally:
             server.kill()
             server.wait()
