@@ -1,10 +1,11 @@
 """The request path's connection to Redis, spoken without redis-py's command path.
 
-A command redis-py's asyncio client sends alone costs the gateway ~85 us of CPU here,
-against ~43 us for an asyncio protocol that packs with hiredis, parses replies with
-hiredis' reader and keeps a queue of futures between the two; inside pipelines of 16,
-~17 against ~8 us a command (bench/results/overhead_hot_path/redis_client.py). The
-difference is redis-py's layers around the socket: a connection taken from the pool
+A script call redis-py's asyncio client sends alone cost the gateway 137-144 us of CPU
+on a slow day here, and 55-60 us over this connection: an asyncio protocol that packs
+with hiredis, parses replies with hiredis' reader and keeps a queue of futures between
+the two. Inside pipelines of 16 it was 34-46 against 10-13 us a command
+(bench/results/overhead_hot_path/redis_client.py). The difference is redis-py's layers
+around the socket: a connection taken from the pool
 and given back, a retry wrapper, a lock, a timeout armed per read, each reply read by
 an awaited call of its own. The batch (gateway.redis_batch) sends one thing at a time
 and needs none of them, so its commands go over this one connection.
