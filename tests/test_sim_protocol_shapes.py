@@ -28,11 +28,13 @@ def tool_reply():
     return Responder(Tokenizer(32000)).chat(messages, TOOLS, "auto", True, None, 1, Length(100))
 
 
-def test_fast_delta_chunk_equals_the_generic_chunk():
+def test_fast_delta_chunk_equals_the_generic_chunk_with_and_without_counts():
     ids = p.ResponseIds("chatcmpl-abc", 'model "quoted"', "chat.completion.chunk")
     delta = {"content": None, "tool_calls": [{"index": 0, "function": {"arguments": '{"a": "\\u00e9"}'}}]}
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": None}
     assert p.delta_chunk_sse(ids, delta) == p.sse(p.chunk(ids, choice))
+    usage = p.Usage(1234, 56, cached_tokens=1000)  # continuous_usage_stats: the counts without details
+    assert p.delta_chunk_sse(ids, delta, usage) == p.sse(p.chunk(ids, choice, usage=usage.body(details=False)))
 
 
 def test_streamed_tool_call_deltas_rebuild_the_call():

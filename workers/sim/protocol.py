@@ -291,17 +291,29 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any]) -> str:
+def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any], usage: Usage | None = None) -> str:
     """``sse(chunk(...))`` for a plain mid-stream delta, the hot path, without
-    re-encoding the parts every chunk shares."""
+    re-encoding the parts every chunk shares; with ``usage``, the chunk as
+    ``continuous_usage_stats`` sends it, its counts after the choices. (Built generically,
+    that chunk cost 2.6x the plain one: the engine would spend more per token on a client
+    that asks for the counts, as ampd's gateway does, than on one that does not.)"""
     if ids.chunk_head is None:
         ids.chunk_head = (
             f'data: {{"id":{json.dumps(ids.id)},"object":"{ids.chunk_object}","created":{ids.created},'
             f'"model":{json.dumps(ids.model)},"choices":[{{"index":0,"delta":'
         )
-    return f"{ids.chunk_head}{json.dumps(delta, separators=(',', ':'))}{_DELTA_TAIL}"
+    delta_json = json.dumps(delta, separators=(",", ":"))
+    if usage is None:
+        return f"{ids.chunk_head}{delta_json}{_DELTA_TAIL}"
+    total = usage.prompt_tokens + usage.completion_tokens
+    counts = (
+        f'"usage":{{"prompt_tokens":{usage.prompt_tokens},"total_tokens":{total},'
+        f'"completion_tokens":{usage.completion_tokens}}}'
+    )
+    return f"{ids.chunk_head}{delta_json}{_DELTA_TAIL_OPEN}{counts}}}\n\n"
 
 
+_DELTA_TAIL_OPEN = ',"logprobs":null,"finish_reason":null,"token_ids":null}],'
 _DELTA_TAIL = ',"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
 
 

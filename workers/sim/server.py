@@ -571,14 +571,11 @@ async def _chat_stream(
         delta = _merge([deltas[i] for i in range(n, n + len(event.token_ids))])
         n += len(event.token_ids)
         streamed_call = streamed_call or bool(delta and delta.get("tool_calls"))
-        extra = {"usage": w.usage(stream, n).body(details=False)} if continuous else {}
         if not event.finished:
-            if delta is not None and extra:
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": None}
-                yield p.sse(p.chunk(ids, choice, **extra))
-            elif delta is not None:
-                yield p.delta_chunk_sse(ids, delta)
+            if delta is not None:
+                yield p.delta_chunk_sse(ids, delta, w.usage(stream, n) if continuous else None)
             continue
+        extra = {"usage": w.usage(stream, n).body(details=False)} if continuous else {}
         done = reply.prefix(n)
         reason = event.finish_reason or "stop"
         if streamed_call and reason == "stop" and not isinstance(body.effective_tool_choice, dict):
