@@ -42,7 +42,7 @@ from redis.exceptions import ConnectionError, DataError, InvalidResponse
 Command = tuple[tuple[Any, ...], dict[str, Any]]  # redis-py's staged form: (args, options)
 
 
-def pack(args: Sequence[Any]) -> bytes:
+def pack(args: tuple[Any, ...]) -> bytes:
     """One command in RESP, by hiredis' C packer - the bytes redis-py would send (its
     two-word command names, "SCRIPT LOAD", split as it splits them) - or the
     ``DataError`` redis-py raises for an argument it cannot send (None, say)."""
@@ -50,7 +50,7 @@ def pack(args: Sequence[Any]) -> bytes:
     if b" " in name:
         args = (*name.split(), *args[1:])
     try:
-        return hiredis.pack_command(tuple(args))
+        return hiredis.pack_command(args)
     except TypeError as exc:
         raise DataError(str(exc)) from exc
 

@@ -14,7 +14,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError, DataError
 
-from ampd.local_redis import answers, free_port, server_binary
+from ampd.local_redis import answers, free_port, server_binary, start_private_redis
 from gateway.redis_channel import Command, RedisChannel
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
@@ -84,7 +84,7 @@ def _named(value: object, theirs: str, ours: str) -> object:
     return value
 
 
-def test_an_argument_that_cannot_be_sent_fails_before_anything_is(tmp_path):
+def test_an_argument_that_cannot_be_sent_fails_before_anything_is():
     async def scenario() -> None:
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
         channel = RedisChannel(client)
@@ -163,38 +163,26 @@ def test_redis_restarted_between_commands_costs_no_command_and_redis_away_is_an_
     assert binary is not None
     port = free_port()
 
-    def start() -> subprocess.Popen:
-        process = subprocess.Popen(
-            [binary[0], "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 10
-        while not answers(f"redis://127.0.0.1:{port}/0"):
-            assert process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-        return process
-
     async def scenario() -> None:
-        server = start()
-        client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0", decode_responses=True)
+        server = start_private_redis(binary, port, tmp_path)
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
         channel = RedisChannel(client)
         try:
             assert await channel.send([(("INCR", "n"), {})]) == [1]
-            server.kill()
-            server.wait()
-            server = start()  # empty: it keeps nothing on disk
+            server.process.kill()
+            server.process.wait()
+            server = start_private_redis(binary, port, tmp_path)  # empty: it keeps nothing on disk
             assert await channel.send([(("INCR", "n"), {})]) == [1]
-            server.kill()
-            server.wait()
+            server.process.kill()
+            server.process.wait()
             with pytest.raises(ConnectionError):
                 await channel.send([(("INCR", "n"), {})])
-            server = start()
+            server = start_private_redis(binary, port, tmp_path)
             await channel.close()  # the gateway stopping: closed for good
             with pytest.raises(ConnectionError, match="closed"):
                 await channel.send([(("INCR", "n"), {})])
         finally:
-            server.kill()
-            server.wait()
+            server.stop()
             await channel.close()
             await client.aclose()
 

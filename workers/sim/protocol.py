@@ -302,19 +302,17 @@ def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any], usage: Usage | None
             f'data: {{"id":{json.dumps(ids.id)},"object":"{ids.chunk_object}","created":{ids.created},'
             f'"model":{json.dumps(ids.model)},"choices":[{{"index":0,"delta":'
         )
-    delta_json = json.dumps(delta, separators=(",", ":"))
-    if usage is None:
-        return f"{ids.chunk_head}{delta_json}{_DELTA_TAIL}"
-    total = usage.prompt_tokens + usage.completion_tokens
-    counts = (
-        f'"usage":{{"prompt_tokens":{usage.prompt_tokens},"total_tokens":{total},'
-        f'"completion_tokens":{usage.completion_tokens}}}'
-    )
-    return f"{ids.chunk_head}{delta_json}{_DELTA_TAIL_OPEN}{counts}}}\n\n"
+    counts = ""
+    if usage is not None:
+        total = usage.prompt_tokens + usage.completion_tokens
+        counts = (
+            f',"usage":{{"prompt_tokens":{usage.prompt_tokens},"total_tokens":{total},'
+            f'"completion_tokens":{usage.completion_tokens}}}'
+        )
+    return f"{ids.chunk_head}{json.dumps(delta, separators=(',', ':'))}{_CHOICE_TAIL}{counts}}}\n\n"
 
 
-_DELTA_TAIL_OPEN = ',"logprobs":null,"finish_reason":null,"token_ids":null}],'
-_DELTA_TAIL = ',"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+_CHOICE_TAIL = ',"logprobs":null,"finish_reason":null,"token_ids":null}]'
 
 
 def chunk(ids: ResponseIds, choice: dict[str, Any] | None, **top: Any) -> dict[str, Any]:
