@@ -135,6 +135,9 @@ def test_fit_without_transfer_samples_uses_the_roofline_kv_transfer():
 # window is 24 steps: one stall of the worker's process inside it lengthens the window's
 # mean step by the stall over the steps, and over 12 steps a stall of about 40 ms put a
 # 16-stream batch 17% off (once, in a clean run of the whole suite on this machine).
+# Each decode point is the median of three batches, as each prefill point is of three
+# runs: with one batch, a stall inside a 24-step window still put one of the six decode
+# points 12% off the fit through the rest (once, in a clean run on a slow day).
 SPEED = 0.5
 SMALL_GRID = Grid(
     prefill_hist=(0, 1024, 4096),
@@ -143,6 +146,7 @@ SMALL_GRID = Grid(
     decode_context=(256, 1536),
     transfer_tokens=(257, 1025, 4097),
     repeats=3,
+    decode_repeats=3,
     steady_tokens=24,
 )
 
