@@ -25,15 +25,13 @@ import runpy
 import signal
 import subprocess
 import sys
-import tempfile
-import uuid
 from pathlib import Path
 
-import httpx
+from one_worker import Bench, one_worker
 
 from ampd.bench.gateway import drive
-from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import Child, spawn_sim_worker, wait_healthy
+from ampd.local_redis import free_port
+from ampd.processes import Child, wait_healthy
 
 STREAMS = 64
 RUNS = ((2, 5), (2, 10), (128, 10))  # (output tokens, requests per stream)
@@ -64,39 +62,32 @@ def _per(before: dict[str, int], after: dict[str, int], units: int) -> dict[str,
     return {k: (after.get(k, 0) - before.get(k, 0)) / units for k in set(before) | set(after)}
 
 
-def run(arm: str, tokens: int, requests: int, worker: Child, registry: list[str], out: Path, log: Path) -> int:
+def run(arm: str, tokens: int, requests: int, bench: Bench, out: Path) -> int:
     port = free_port()
     if arm == "ampd":
-        argv = ["ampd.cli", "gateway", "--port", str(port), *registry, "--prefill-slots", "4096"]
+        argv = ["ampd.cli", "gateway", "--port", str(port), *bench.registry, "--prefill-slots", "4096"]
     else:
-        argv = ["ampd.bench.relay", "--port", str(port), "--upstream", worker.url]
-    process = subprocess.Popen([sys.executable, __file__, "--profiled", str(out), *argv], stdout=log.open("ab"),
-                               stderr=subprocess.STDOUT, preexec_fn=lambda: os.sched_setaffinity(0, {1}))  # fmt: skip
+        argv = ["ampd.bench.relay", "--port", str(port), "--upstream", bench.worker.url]
+    process = subprocess.Popen([sys.executable, __file__, "--profiled", str(out), *argv],
+                               stdout=(bench.state / f"{arm}.log").open("ab"), stderr=subprocess.STDOUT,
+                               preexec_fn=lambda: os.sched_setaffinity(0, {1}))  # fmt: skip
     proxy = Child(arm, f"http://127.0.0.1:{port}", process)
     try:
         assert wait_healthy([proxy], path="/readyz" if arm == "ampd" else "/health") is None
-        model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        return len(asyncio.run(drive(proxy.url, model, STREAMS, requests, tokens)))
+        return len(asyncio.run(drive(proxy.url, bench.model, STREAMS, requests, tokens)))
     finally:
         process.send_signal(signal.SIGINT)  # uvicorn shuts down; the profile is written
         process.wait(timeout=60)
 
 
 def main() -> None:
-    prefix = f"calls-{uuid.uuid4().hex[:6]}"
-    state = Path(tempfile.mkdtemp(prefix="calls-"))
-    redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
-    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
-    worker = spawn_sim_worker("worker", free_port(), ["--role", "both", "--max-num-seqs", "1024", *registry],
-                              log=state / "worker.log", cpu=0)  # fmt: skip
-    try:
-        assert wait_healthy([worker]) is None
-        os.sched_setaffinity(0, {1})
+    with one_worker("calls", "--max-num-seqs", "1024") as bench:
+        os.sched_setaffinity(0, {1})  # the load on core 1, beside the profiled proxy
         for arm in ("ampd", "relay"):
             counted = {}
             for tokens, requests in RUNS:
-                out = state / f"{arm}-{tokens}-{requests}.prof"
-                done = run(arm, tokens, requests, worker, registry, out, state / f"{arm}.log")
+                out = bench.state / f"{arm}-{tokens}-{requests}.prof"
+                done = run(arm, tokens, requests, bench, out)
                 assert done == STREAMS * requests, (arm, tokens, requests, done)
                 counted[tokens, requests] = calls(out)
             few, short, long = (counted[key] for key in RUNS)
@@ -108,10 +99,6 @@ def main() -> None:
                 print(f"  per {what}, the most:")
                 for name, n in sorted(per.items(), key=lambda item: -item[1])[:most]:
                     print(f"    {n:7.2f}  {name}")
-    finally:
-        worker.stop()
-        delete_prefix(redis.url, prefix)
-        redis.stop()
 
 
 if __name__ == "__main__":

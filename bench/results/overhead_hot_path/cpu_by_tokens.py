@@ -18,16 +18,15 @@ import asyncio
 import os
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
-import httpx
 import numpy as np
+from one_worker import one_worker
 
 from ampd.bench.gateway import drive
 from ampd.bench.relay import relay_argv
-from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.local_redis import free_port
+from ampd.processes import Child, spawn_gateway, wait_healthy
 
 STREAMS, REQUESTS, TOKENS = 64, 20, (2, 32, 128)
 
@@ -46,22 +45,13 @@ def start(arm: str, worker: Child, registry: list[str], state: Path) -> Child:
 
 
 def main() -> None:
-    prefix = f"cpu-{uuid.uuid4().hex[:6]}"
-    state = Path(".ampd") / prefix
-    state.mkdir(parents=True, exist_ok=True)
-    redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
-    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
-    worker = spawn_sim_worker("worker", free_port(), ["--role", "both", "--max-num-seqs", "1024", *registry],
-                              log=state / "worker.log", cpu=0)  # fmt: skip
-    try:
-        assert wait_healthy([worker]) is None
-        model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        os.sched_setaffinity(0, {1})
+    with one_worker("cpu", "--max-num-seqs", "1024") as bench:
+        os.sched_setaffinity(0, {1})  # the proxies it starts, and the load, on core 1
         for arm in ("ampd", "relay"):
-            proxy = start(arm, worker, registry, state)
+            proxy = start(arm, bench.worker, bench.registry, bench.state)
             try:
                 assert wait_healthy([proxy], path="/readyz" if arm == "ampd" else "/health") is None
-                asyncio.run(drive(proxy.url, model, 4, 2, 4))
+                asyncio.run(drive(proxy.url, bench.model, 4, 2, 4))
                 user, system = cpu(proxy.process.pid)
                 time.sleep(10)
                 idle = sum(cpu(proxy.process.pid)) - user - system
@@ -71,7 +61,7 @@ def main() -> None:
                     for tokens in TOKENS:
                         user, system = cpu(proxy.process.pid)
                         started = time.perf_counter()
-                        n = len(asyncio.run(drive(proxy.url, model, STREAMS, REQUESTS, tokens)))
+                        n = len(asyncio.run(drive(proxy.url, bench.model, STREAMS, REQUESTS, tokens)))
                         wall = time.perf_counter() - started
                         u, s = (x - y for x, y in zip(cpu(proxy.process.pid), (user, system), strict=True))
                         points.append((tokens, (u + s - idle / 10 * wall) * 1000 / n))
@@ -84,10 +74,6 @@ def main() -> None:
                 )
             finally:
                 proxy.stop()
-    finally:
-        worker.stop()
-        delete_prefix(redis.url, prefix)
-        redis.stop()
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 # In the order they happen; the prompt is counted while the OPEN script is out, so the
 # steps between script_start and reads_done overlap (the times from "asgi" show it).
@@ -101,34 +99,25 @@ def serve(redis_url: str, prefix: str, port: int) -> None:
 
 
 def main() -> None:
-    import httpx
+    from one_worker import one_worker
 
     from ampd.bench.gateway import drive
-    from ampd.local_redis import delete_prefix, ensure_redis, free_port
-    from ampd.processes import Child, spawn_sim_worker, wait_healthy
+    from ampd.local_redis import free_port
+    from ampd.processes import Child, wait_healthy
 
-    prefix = f"phases-{uuid.uuid4().hex[:6]}"
-    state = Path(".ampd") / prefix
-    state.mkdir(parents=True, exist_ok=True)
-    redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
-    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
-    worker = spawn_sim_worker("w", free_port(), ["--role", "both", *registry], log=state / "w.log", cpu=0)
-    port = free_port()
-    gateway = Child("g", f"http://127.0.0.1:{port}",
-                    subprocess.Popen([sys.executable, __file__, "serve", redis.url, prefix, str(port)]))  # fmt: skip
-    try:
-        if wait_healthy([worker]) or wait_healthy([gateway], path="/readyz"):
-            raise RuntimeError("the worker or the gateway did not start")
-        model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        os.sched_setaffinity(0, {1})
-        for label, url, n in (("ampd", gateway.url, 100), ("direct", worker.url, 50)):
-            ttft = sorted(t.ttft for t in asyncio.run(drive(url, model, 1, n, 32))[n // 2 :])
-            print(f"client TTFT p50 {label}: {ttft[len(ttft) // 2] * 1000:.2f} ms", flush=True)
-    finally:
-        gateway.stop()
-        worker.stop()
-        delete_prefix(redis.url, prefix)
-        redis.stop()
+    with one_worker("phases") as bench:
+        port = free_port()
+        serve_argv = [sys.executable, __file__, "serve", bench.redis.url, bench.prefix, str(port)]
+        gateway = Child("g", f"http://127.0.0.1:{port}", subprocess.Popen(serve_argv))
+        try:
+            if wait_healthy([gateway], path="/readyz"):
+                raise RuntimeError("the gateway did not start")
+            os.sched_setaffinity(0, {1})  # the client on core 1; the gateway was started unpinned
+            for label, url, n in (("ampd", gateway.url, 100), ("direct", bench.worker.url, 50)):
+                ttft = sorted(t.ttft for t in asyncio.run(drive(url, bench.model, 1, n, 32))[n // 2 :])
+                print(f"client TTFT p50 {label}: {ttft[len(ttft) // 2] * 1000:.2f} ms", flush=True)
+        finally:
+            gateway.stop()
 
 
 if __name__ == "__main__":
