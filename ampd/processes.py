@@ -32,6 +32,11 @@ class Child:
             self.process.kill()
 
 
+def ampd_argv(*command: str) -> list[str]:
+    """The command line of ``ampd *command`` in this interpreter."""
+    return [sys.executable, "-m", "ampd.cli", *command]
+
+
 def spawn(
     name: str,
     port: int,
@@ -51,7 +56,7 @@ def spawn(
             os.sched_setaffinity(0, {cpu})
         os.nice(niceness)
 
-    argv = [sys.executable, "-m", "ampd.cli", *command]
+    argv = ampd_argv(*command)
     environment = {**os.environ, **env} if env else None
     hook = prepare if cpu is not None or niceness else None
     process = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT, preexec_fn=hook, env=environment)

@@ -184,6 +184,12 @@ class Usage:
             out["completion_tokens_details"] = None
         return out
 
+    def counts_json(self) -> str:
+        """``body(details=False)`` as compact JSON, written directly: it goes into every
+        chunk of a stream that asks for ``continuous_usage_stats``."""
+        prompt, completion = self.prompt_tokens, self.completion_tokens
+        return f'{{"prompt_tokens":{prompt},"total_tokens":{prompt + completion},"completion_tokens":{completion}}}'
+
     def final_stream_body(self) -> dict[str, Any]:
         """A stream's last usage chunk: vLLM drops the None fields there, keeping cached tokens when counted."""
         out = self.body(details=False)
@@ -302,13 +308,7 @@ def delta_chunk_sse(ids: ResponseIds, delta: dict[str, Any], usage: Usage | None
             f'data: {{"id":{json.dumps(ids.id)},"object":"{ids.chunk_object}","created":{ids.created},'
             f'"model":{json.dumps(ids.model)},"choices":[{{"index":0,"delta":'
         )
-    counts = ""
-    if usage is not None:
-        total = usage.prompt_tokens + usage.completion_tokens
-        counts = (
-            f',"usage":{{"prompt_tokens":{usage.prompt_tokens},"total_tokens":{total},'
-            f'"completion_tokens":{usage.completion_tokens}}}'
-        )
+    counts = "" if usage is None else f',"usage":{usage.counts_json()}'
     return f"{ids.chunk_head}{json.dumps(delta, separators=(',', ':'))}{_CHOICE_TAIL}{counts}}}\n\n"
 
 

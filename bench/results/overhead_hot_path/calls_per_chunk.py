@@ -30,15 +30,16 @@ from pathlib import Path
 from one_worker import Bench, one_worker
 
 from ampd.bench.gateway import drive
+from ampd.bench.relay import relay_argv
 from ampd.local_redis import free_port
-from ampd.processes import Child, wait_healthy
+from ampd.processes import Child, ampd_argv, wait_healthy
 
 STREAMS = 64
 RUNS = ((2, 5), (2, 10), (128, 10))  # (output tokens, requests per stream)
 
 
 def profiled(out: str, module: str, *args: str) -> None:
-    """Run ``module`` as ``__main__`` under cProfile (the child's side); stats to ``out`` at exit."""
+    """``python -m module *args`` under cProfile (the child's side); stats to ``out`` at exit."""
     sys.argv = [module, *args]
     profile = cProfile.Profile()
     profile.enable()
@@ -65,10 +66,11 @@ def _per(before: dict[str, int], after: dict[str, int], units: int) -> dict[str,
 def run(arm: str, tokens: int, requests: int, bench: Bench, out: Path) -> int:
     port = free_port()
     if arm == "ampd":
-        argv = ["ampd.cli", "gateway", "--port", str(port), *bench.registry, "--prefill-slots", "4096"]
+        command = ampd_argv("gateway", "--port", str(port), *bench.registry, "--prefill-slots", "4096")
     else:
-        argv = ["ampd.bench.relay", "--port", str(port), "--upstream", bench.worker.url]
-    process = subprocess.Popen([sys.executable, __file__, "--profiled", str(out), *argv],
+        command = relay_argv(port, bench.worker.url)
+    _, _, *module_and_args = command  # the interpreter and "-m": the profiler runs the module
+    process = subprocess.Popen([sys.executable, __file__, "--profiled", str(out), *module_and_args],
                                stdout=(bench.state / f"{arm}.log").open("ab"), stderr=subprocess.STDOUT,
                                preexec_fn=lambda: os.sched_setaffinity(0, {1}))  # fmt: skip
     proxy = Child(arm, f"http://127.0.0.1:{port}", process)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from one_worker import one_worker
+from one_worker import Bench, one_worker
 
 from ampd.bench.gateway import drive
 from ampd.bench.relay import relay_argv
@@ -37,18 +37,20 @@ def cpu(pid: int) -> tuple[float, float]:
     return int(fields[11]) / 100, int(fields[12]) / 100
 
 
-def start(arm: str, worker: Child, registry: list[str], state: Path) -> Child:
+def start(arm: str, bench: Bench) -> Child:
     if arm == "ampd":
-        return spawn_gateway("ampd", free_port(), [*registry, "--prefill-slots", "4096"], state / "ampd.log")
+        return spawn_gateway(
+            "ampd", free_port(), [*bench.registry, "--prefill-slots", "4096"], bench.state / "ampd.log"
+        )
     port = free_port()
-    return Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(relay_argv(port, worker.url)))
+    return Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(relay_argv(port, bench.worker.url)))
 
 
 def main() -> None:
     with one_worker("cpu", "--max-num-seqs", "1024") as bench:
         os.sched_setaffinity(0, {1})  # the proxies it starts, and the load, on core 1
         for arm in ("ampd", "relay"):
-            proxy = start(arm, bench.worker, bench.registry, bench.state)
+            proxy = start(arm, bench)
             try:
                 assert wait_healthy([proxy], path="/readyz" if arm == "ampd" else "/health") is None
                 asyncio.run(drive(proxy.url, bench.model, 4, 2, 4))

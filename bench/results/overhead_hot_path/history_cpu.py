@@ -15,44 +15,30 @@ import asyncio
 import os
 import sys
 import time
-import uuid
-from pathlib import Path
 
-import httpx
+from one_worker import one_worker
 
 from ampd.bench.gateway import drive
 from ampd.bench.overhead import cpu_seconds
-from ampd.local_redis import delete_prefix, ensure_redis, free_port
-from ampd.processes import spawn_gateway, spawn_sim_worker, wait_healthy
+from ampd.local_redis import free_port
+from ampd.processes import spawn_gateway, wait_healthy
 
 
 def main(streams: int, rounds: int, tool_rounds: int) -> None:
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
-    state = Path(".ampd") / prefix
-    state.mkdir(parents=True)
-    redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
-    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
-    options = ["--role", "both", "--max-num-seqs", "1024", "--speed", "50", *registry]
-    worker = spawn_sim_worker("worker", free_port(), options, log=state / "worker.log", cpu=0)
-    gateway = None
-    try:
-        assert not wait_healthy([worker])
-        gateway = spawn_gateway("ampd", free_port(), [*registry, "--prefill-slots", "4096"], state / "gateway.log")
-        assert not wait_healthy([gateway], path="/readyz")
-        model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        os.sched_setaffinity(0, {1})
-        asyncio.run(drive(gateway.url, model, 8, 2, 4, tool_rounds))  # warm
-        cpu, started = cpu_seconds(gateway.process.pid), time.perf_counter()
-        done = len(asyncio.run(drive(gateway.url, model, streams, rounds, 32, tool_rounds)))
-        wall, used = time.perf_counter() - started, cpu_seconds(gateway.process.pid) - cpu
-        print(f"{os.environ.get('TAG', '')} streams {streams} tool_rounds {tool_rounds}: "
-              f"{done / wall:.0f} req/s, CPU/request {used * 1000 / done:.2f} ms")  # fmt: skip
-    finally:
-        if gateway is not None:
+    with one_worker("bench", "--max-num-seqs", "1024", "--speed", "50") as bench:
+        gateway = spawn_gateway("ampd", free_port(), [*bench.registry, "--prefill-slots", "4096"],
+                                bench.state / "gateway.log")  # fmt: skip
+        try:
+            assert not wait_healthy([gateway], path="/readyz")
+            os.sched_setaffinity(0, {1})
+            asyncio.run(drive(gateway.url, bench.model, 8, 2, 4, tool_rounds))  # warm
+            cpu, started = cpu_seconds(gateway.process.pid), time.perf_counter()
+            done = len(asyncio.run(drive(gateway.url, bench.model, streams, rounds, 32, tool_rounds)))
+            wall, used = time.perf_counter() - started, cpu_seconds(gateway.process.pid) - cpu
+            print(f"{os.environ.get('TAG', '')} streams {streams} tool_rounds {tool_rounds}: "
+                  f"{done / wall:.0f} req/s, CPU/request {used * 1000 / done:.2f} ms")  # fmt: skip
+        finally:
             gateway.stop()
-        worker.stop()
-        delete_prefix(redis.url, prefix)
-        redis.stop()
 
 
 if __name__ == "__main__":

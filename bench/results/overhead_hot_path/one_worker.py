@@ -21,9 +21,17 @@ class Bench:
     worker: Child
     redis: LocalRedis
     prefix: str  # the Redis key prefix of this run
-    registry: list[str]  # the options that point a gateway at this Redis and prefix
     state: Path  # a fresh folder for logs and outputs
     model: str  # the worker's served model
+
+    @property
+    def registry(self) -> list[str]:
+        """The options that point a gateway (or the worker) at this Redis and prefix."""
+        return _registry(self.redis.url, self.prefix)
+
+
+def _registry(redis_url: str, prefix: str) -> list[str]:
+    return ["--redis-url", redis_url, "--redis-prefix", prefix]
 
 
 @contextmanager
@@ -31,14 +39,13 @@ def one_worker(name: str, *options: str) -> Iterator[Bench]:
     prefix = f"{name}-{uuid.uuid4().hex[:6]}"
     state = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     redis = ensure_redis("redis://127.0.0.1:6379/12", state / "redis")
-    registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
-    worker = spawn_sim_worker("worker", free_port(), ["--role", "both", *options, *registry],
+    worker = spawn_sim_worker("worker", free_port(), ["--role", "both", *options, *_registry(redis.url, prefix)],
                               log=state / "worker.log", cpu=0)  # fmt: skip
     try:
         if wait_healthy([worker]):
             raise RuntimeError(f"the worker did not start: {state / 'worker.log'}")
         model = httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"]
-        yield Bench(worker, redis, prefix, registry, state, model)
+        yield Bench(worker, redis, prefix, state, model)
     finally:
         worker.stop()
         delete_prefix(redis.url, prefix)
