@@ -6,13 +6,14 @@ import asyncio
 import random
 import time
 
+import httpx
 import pytest
 
 from perfmodel.piecewise import Piece, PiecewiseLinear
 from perfmodel.profile import DEFAULT_PROFILE, CostPieces, Profile, load_profile, t_kv
 from planner.profiler import profile_worker
 from planner.profiler.fit import fit, report_table
-from planner.profiler.measure import measure
+from planner.profiler.measure import _decode_point_retried, _models, _Target, measure
 from planner.profiler.samples import DecodeSample, Grid, Measurements, PrefillSample, TransferSample
 from tests.engines import start_sim_worker, stop
 
@@ -213,6 +214,44 @@ def test_measured_t_dec_matches_the_worker(measured_profile, batch, context):
 def test_measured_t_kv_matches_the_worker(measured_profile, tokens):
     profile = measured_profile[0]
     assert _rel(t_kv(tokens, profile, profile), t_kv(tokens, TRUE, TRUE)) < 0.25
+
+
+def test_a_decode_point_whose_streams_started_apart_is_run_again_with_more_tokens(tmp_path):
+    """A loaded client once started a batch's 48 streams so far apart that the first ran
+    out of its max_tokens (sized for streams that start together) before the last had its
+    window. Here the client holds back the first try's last stream until the point gives up
+    on it: the point is run again with twice the tokens, and measures."""
+    batch, context, steady, max_tokens = 48, 256, 12, 17
+    held = 0
+
+    async def hold_the_last_stream(request: httpx.Request) -> None:
+        nonlocal held
+        if request.url.path == "/v1/completions" and b'"stream":true' in request.content:
+            held += 1
+            if held == batch:  # the first try's last stream, until it is cancelled
+                await asyncio.Event().wait()
+
+    async def run(url: str) -> tuple[DecodeSample, list[str]]:
+        said: list[str] = []
+        hooks = {"request": [hold_the_last_stream]}
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64), event_hooks=hooks) as client:
+            model, max_len = await _models(client, url)
+            t = _Target(client, url, model, clock="engine")
+            rng = random.Random(0)
+            sample = await _decode_point_retried(
+                t, rng, batch, context, steady, max_tokens, max_len - context, said.append
+            )
+        return sample, said
+
+    worker = start_sim_worker(tmp_path, "--speed", str(SPEED))
+    try:
+        sample, said = asyncio.run(run(worker.url))
+    finally:
+        stop(worker)
+    assert held >= 2 * batch and said and said[0].endswith("before the batch was steady; again with max_tokens 34"), (
+        said
+    )
+    assert _rel(sample.seconds * SPEED, TRUE.t_dec(batch, sample.context)) < 0.05, sample  # a GPU at --speed
 
 
 def test_engine_clock_times_decode_steps_for_a_client_starved_of_its_cpu(tmp_path):

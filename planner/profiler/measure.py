@@ -72,6 +72,16 @@ class ProfilerError(RuntimeError):
     """The engine answered something the profiler cannot use."""
 
 
+class ShortWindow(ProfilerError):
+    """The decode streams ran out of tokens before the steady window was long enough.
+
+    ``max_tokens`` is sized for a client that starts the batch's streams together and reads
+    them as they come; a client starved of its CPU while the engine decodes on starts them
+    apart, or takes the engine's counters late. The point is worth retrying with more
+    tokens per stream.
+    """
+
+
 @dataclass(frozen=True)
 class Timed:
     """One first token, by both clocks (wall seconds)."""
@@ -260,6 +270,32 @@ async def _prefill_point(t: _Target, rng: random.Random, l_hist: int, l_incr: in
     return PrefillSample(l_hist=hit, l_incr=l_hist + l_incr - hit, seconds=statistics.median(runs), runs=runs)
 
 
+async def _decode_point_retried(
+    t: _Target,
+    rng: random.Random,
+    batch: int,
+    context: int,
+    steady: int,
+    max_tokens: int,
+    limit: int,
+    say: Progress,
+) -> DecodeSample:
+    """:func:`_decode_point`, with twice the tokens per stream after a :class:`ShortWindow`.
+
+    How late a loaded client is can only be seen by running the point. Streams are
+    cancelled once the window is long enough, so the extra tokens cost the engine nothing;
+    ``limit`` (the model's length, the KV capacity) bounds them.
+    """
+    while True:
+        try:
+            return await _decode_point(t, rng, batch, context, steady, max_tokens)
+        except ShortWindow as exc:
+            if max_tokens >= limit:
+                raise
+            max_tokens = min(2 * max_tokens, limit)
+            say(f"{exc}; again with max_tokens {max_tokens}")
+
+
 async def _decode_point(
     t: _Target, rng: random.Random, batch: int, context: int, steady: int, max_tokens: int
 ) -> DecodeSample:
@@ -268,6 +304,7 @@ async def _decode_point(
     window_start: list[int] | None = None
     started, enough = asyncio.Event(), asyncio.Event()  # the steady window began; it is long enough
     failure: list[str] = []
+    short: list[int] = []  # chunks read by the streams that ran out before the window
 
     def fail(reason: str) -> None:
         failure.append(reason)
@@ -309,7 +346,9 @@ async def _decode_point(
                 count = int(usage.get("completion_tokens") or (arrivals[i][-1][1] + 1 if arrivals[i] else 1))
                 observe(i, now, count)
         if not enough.is_set():
-            fail(f"a stream finished after {len(arrivals[i])} chunks, before the batch was steady")
+            short.append(len(arrivals[i]))
+            started.set()
+            enough.set()
 
     tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
     before = after = None
@@ -322,8 +361,10 @@ async def _decode_point(
             # A client that fell behind read its window in one burst, sooner than the engine
             # took its steps: the engine's window is as long as it says.
             after = await t.metrics()
-            while (_growth(before, after, f"{wire.ITL}_count") or 0) < batch * steady and not all(
-                task.done() for task in tasks
+            while (
+                not (failure or short)
+                and (_growth(before, after, f"{wire.ITL}_count") or 0) < batch * steady
+                and not all(task.done() for task in tasks)
             ):
                 await asyncio.sleep(0.02)
                 after = await t.metrics()
@@ -334,10 +375,16 @@ async def _decode_point(
         await t.wait_idle()
     if failure:
         raise ProfilerError(f"decode batch {batch} x {context}: {failure}")
+    where = f"decode batch {batch} x {context}"
+    if short:
+        raise ShortWindow(f"{where}: a stream finished after {short[0]} chunks, before the batch was steady")
     assert window_start is not None
     steps, itl = _growth(before, after, f"{wire.ITL}_count"), _growth(before, after, f"{wire.ITL}_sum")
-    if t.clock == "engine" and not (steps and itl is not None):
-        raise ProfilerError(f"the engine clock needs {wire.ITL}, which {t.url} lacks or did not grow")
+    if t.clock == "engine":
+        if steps is None or itl is None:
+            raise ProfilerError(f"the engine clock needs {wire.ITL}, which {t.url} lacks")
+        if steps < batch * steady:  # a starved client read `before` late: the streams ended first
+            raise ShortWindow(f"{where}: the engine timed {steps:.0f} tokens in the window, not {batch * steady}")
     slopes, contexts = [], []
     for a, s in zip(arrivals, window_start, strict=True):
         (t0, n0), (t1, n1) = a[s], a[-1]
@@ -433,11 +480,13 @@ async def measure(
             for context in grid.decode_context:
                 headroom = grid.steady_tokens + 4 + math.ceil(batch * context / grid.min_chunk_tokens)
                 max_tokens = min(headroom, max_len - context)
-                fits = capacity is None or batch * (context + max_tokens) <= 0.9 * capacity
-                if max_tokens < grid.steady_tokens + 2 or not fits:
+                limit = max_len - context  # what fits the model and 90% of the KV capacity
+                if capacity is not None:
+                    limit = min(limit, math.floor(0.9 * capacity / batch) - context)
+                if max_tokens < grid.steady_tokens + 2 or max_tokens > limit:
                     continue
                 runs = [
-                    await _decode_point(t, rng, batch, context, grid.steady_tokens, max_tokens)
+                    await _decode_point_retried(t, rng, batch, context, grid.steady_tokens, max_tokens, limit, say)
                     for _ in range(grid.decode_repeats)
                 ]
                 s = DecodeSample(
