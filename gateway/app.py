@@ -22,7 +22,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -118,7 +118,29 @@ class EventStream(StreamingResponse):
     """Starlette's streaming response, but listening for the client's hang-up with one
     plain task instead of an anyio task group per response. As there, a hang-up
     cancels the stream - the exchange's generators unwind, the engine request is closed
-    (and so aborted), the round's holds let go - and the response ends quietly."""
+    (and so aborted), the round's holds let go - and the response ends quietly.
+
+    The stream is ``first``, then ``rest``. A failure in ``rest`` comes after the status
+    line: the client gets it in-band, as ``fail`` writes it in the stream's API (as vLLM
+    does for chat), and the stream ends there. The chat stream goes to the client
+    straight from the exchange, without a generator of the response's own in between."""
+
+    def __init__(
+        self, first: bytes, rest: AsyncIterator[bytes], fail: Callable[[APIError], bytes], headers: Mapping[str, str]
+    ) -> None:
+        super().__init__(rest, media_type="text/event-stream", headers=headers)
+        self.first, self.fail = first, fail
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        try:
+            async for events in self.body_iterator:
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+        except (UpstreamError, APIError) as exc:
+            error = _upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc
+            await send({"type": "http.response.body", "body": self.fail(error), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -263,9 +285,11 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             body["ampd_tool_rounds"] = started.ex.rounds
         return JSONResponse(body, headers=started.headers)
 
-    def streaming(events: AsyncIterator[bytes], started: Started) -> EventStream:
+    def streaming(
+        first: bytes, rest: AsyncIterator[bytes], fail: Callable[[APIError], bytes], started: Started
+    ) -> EventStream:
         gateway.metrics.requests.labels("200").inc()
-        return EventStream(events, media_type="text/event-stream", headers=started.headers)
+        return EventStream(first, rest, fail, started.headers)
 
     @app.post_direct(CHAT_PATH)
     async def chat_completions(request: Request) -> Response:
@@ -273,7 +297,7 @@ def create_app(config: GatewayConfig) -> GatewayApp:
         scope, raw = await begin(request)
         started = await start(raw, request, scope)
         if raw.get("stream"):
-            return streaming(_relay(started.first, started.events), started)
+            return streaming(started.first, started.events, _chat_failure, started)
         await finish(started)
         return ok(started.client.completion(), started)
 
@@ -307,8 +331,8 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             def completed() -> list[bytes]:
                 return events.finish(client.usage, client.finish_reason)
 
-            relayed = _translated(started, events.start(), events.feed, events.fail, remember, completed)
-            return streaming(relayed, started)
+            relayed = _translated(started, events.feed, remember, completed)
+            return streaming(b"".join(events.start()), relayed, _joined(events.fail), started)
         await finish(started)
         await remember()
         output = responses_api.output_items(client.message())
@@ -330,7 +354,8 @@ def create_app(config: GatewayConfig) -> GatewayApp:
             def stopped() -> list[bytes]:
                 return stream.finish(client.finish_reason, client.stop_reason, client.usage)
 
-            return streaming(_translated(started, stream.start(), stream.feed, stream.fail, None, stopped), started)
+            relayed = _translated(started, stream.feed, None, stopped)
+            return streaming(b"".join(stream.start()), relayed, _joined(stream.fail), started)
         await finish(started)
         body = messages_api.message_object(message_id, started.model, client.message(), client.finish_reason,
                                            client.stop_reason, asked.stop_sequences, client.usage)  # fmt: skip
@@ -419,7 +444,7 @@ def _document(app: FastAPI) -> dict[str, Any]:
 def _header_value(value: str) -> str:
     """``value`` as a header may carry it: a session id from a body field may hold any
     character, and one a header cannot carry is percent-encoded (as a URL path takes it)."""
-    return value if all(" " <= c <= "~" for c in value) else quote(value, safe="")
+    return value if value.isascii() and value.isprintable() else quote(value, safe="")  # " " to "~"
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -446,38 +471,27 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
-async def _relay(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    try:
-        async for event in rest:
-            yield event
-    except (UpstreamError, APIError) as exc:  # the status line is gone: report in-band, as vLLM does
-        error = _upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc
-        yield f"data: {json.dumps(error.body())}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+def _chat_failure(error: APIError) -> bytes:
+    return f"data: {json.dumps(error.body())}\n\n".encode() + b"data: [DONE]\n\n"
+
+
+def _joined(events: Callable[[APIError], list[bytes]]) -> Callable[[APIError], bytes]:
+    return lambda error: b"".join(events(error))
 
 
 async def _translated(
     started: Started,
-    opening: list[bytes],
     feed: Callable[[dict[str, Any]], list[bytes]],
-    fail: Callable[[APIError], list[bytes]],
     remember: Callable[[], Any] | None,
     closing: Callable[[], list[bytes]],
 ) -> AsyncIterator[bytes]:
-    """A chat stream re-spoken in another API's events: ``feed`` turns each chat chunk
-    into that API's events, ``closing`` ends them once the exchange is over (after
-    ``remember``, so what it stores is there when the client sees the end); a failure
-    after the status line is reported in-band with ``fail``."""
-    yield b"".join(opening)
-    try:
-        async for chunk in _chat_chunks(started.first, started.events):
-            out = feed(chunk)
-            if out:
-                yield b"".join(out)
-    except (UpstreamError, APIError) as exc:
-        yield b"".join(fail(_upstream_api_error(exc) if isinstance(exc, UpstreamError) else exc))
-        return
+    """A chat stream re-spoken in another API's events, after its opening ones: ``feed``
+    turns each chat chunk into that API's events, ``closing`` ends them once the exchange
+    is over (after ``remember``, so what it stores is there when the client sees the end)."""
+    async for chunk in _chat_chunks(started.first, started.events):
+        out = feed(chunk)
+        if out:
+            yield b"".join(out)
     if remember is not None:
         await remember()
     yield b"".join(closing())

@@ -39,6 +39,22 @@ class _Roles(Collector):
         yield family
 
 
+class Family:
+    """A labelled metric and its children, each child made once. prometheus-client's
+    ``labels()`` checks, converts and locks on every call - eight Python calls - and a round
+    takes six children; here a child is a dict lookup once it exists."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Counter | Histogram] = {}
+
+    def labels(self, *values: str) -> Counter | Histogram:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class GatewayMetrics:
     """``roles``: (worker, role) of every engine in the pool, read at each scrape."""
 
@@ -47,17 +63,19 @@ class GatewayMetrics:
         self.postponements = Counter(
             "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", registry=r
         )
-        self.ttft = Histogram(
-            "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
+        self.ttft = Family(
+            Histogram(
+                "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
+            )
         )
         self.itl = Histogram(
             "ampd_itl_seconds", "Mean inter-token latency of a round.", buckets=LATENCY_BUCKETS, registry=r
         )
-        self.routes = Counter("ampd_route", "Prefill routing decisions.", ["route", "reason"], registry=r)
-        self.slo_rounds = Counter(
+        self.routes = Family(Counter("ampd_route", "Prefill routing decisions.", ["route", "reason"], registry=r))
+        self.slo_rounds = Family(Counter(
             "ampd_slo_rounds", "Rounds that met or missed their SLO, by ITL rule (mean, p95 or max gap).",
             ["rule", "outcome"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         for rule in ITL_RULES:
             for outcome in ("met", "missed"):
                 self.slo_rounds.labels(rule, outcome)
@@ -67,34 +85,39 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.requests = Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r)
-        self.prompt_count_checks = Counter(
+        self.requests = Family(Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r))
+        self.prompt_count_checks = Family(Counter(
             "ampd_prompt_count_checks", "The gateway's prompt counts for vLLM engines, checked against theirs.",
             ["result"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         for result in ("equal", "differs"):
             self.prompt_count_checks.labels(result)
-        self.tool_seconds = Histogram(
+        self.tool_seconds = Family(Histogram(
             "ampd_tool_seconds", "Server-side tool call duration, queueing included.", ["tool"],
             buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.migrations = Counter(
+        ))  # fmt: skip
+        self.migrations = Family(Counter(
             "ampd_migrations", "Streams that lost their decode worker: moved on, or refused past the limit.",
             ["outcome"], registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         for outcome in ("moved", "refused"):
             self.migrations.labels(outcome)
         self.redis_up = Gauge(  # any process of a replica that Redis fails says so
             "ampd_redis_up", "1 while Redis answers this replica, 0 during an outage.", registry=r,
             multiprocess_mode="livemin",
         )  # fmt: skip
-        self.redis_errors = Counter(
+        self.redis_errors = Family(Counter(
             "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.outage).", ["what"],
             registry=r,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
-        self.role_moves = Counter(
-            "ampd_role_moves", "Engines the elastic controller moved to another role, by why.", ["reason"], registry=r
+        self.role_moves = Family(
+            Counter(
+                "ampd_role_moves",
+                "Engines the elastic controller moved to another role, by why.",
+                ["reason"],
+                registry=r,
+            )
         )
         self.sessions_active = Gauge(  # set by the process a scrape reaches, just before it answers
             "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r,

@@ -25,7 +25,9 @@ from __future__ import annotations
 import logging
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
+
+from gateway.metrics import Family
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ REDIS_DOWN = (aioredis.RedisError, OSError)
 class RedisHealth:
     """Whether Redis answered last, as the metrics show it."""
 
-    def __init__(self, up: Gauge, errors: Counter) -> None:
+    def __init__(self, up: Gauge, errors: Family) -> None:
         self.up, self._up, self._errors = True, up, errors
         self._up.set(1)
 

@@ -19,12 +19,14 @@ longer has them (restarted empty): see gateway.outage.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -76,7 +78,17 @@ SESSION_HEADERS = (
 def shallow(obj: Any) -> dict[str, Any]:
     """A dataclass's fields as a dict, values as they are: ``dataclasses.asdict`` deep-copies
     every value, which for the records and sessions written every round is wasted work."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    names, get = _fields_of(type(obj))
+    return dict(zip(names, get(obj), strict=True))
+
+
+@functools.cache
+def _fields_of(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
+    """A dataclass's field names and one getter for them all: ``dataclasses.fields`` builds
+    its answer anew on every call (40 Python calls a round for a session and its state)."""
+    names = tuple(f.name for f in fields(cls))
+    get = attrgetter(*names)
+    return names, get if len(names) > 1 else lambda obj: (get(obj),)  # one name: no tuple
 
 
 def explicit_session_id(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter
 from pydantic import ValidationError
 
+from gateway.metrics import Family
 from gateway.model_tokenizer import ModelTokenizer
 from gateway.remembered import Remembered
 from gateway.upstream import EngineClient, UpstreamError
@@ -114,7 +114,7 @@ class ServedTokenizers:
 
     RETRY_S = 30.0
 
-    def __init__(self, redis: aioredis.Redis, prefix: str, client: EngineClient, checks: Counter) -> None:
+    def __init__(self, redis: aioredis.Redis, prefix: str, client: EngineClient, checks: Family) -> None:
         self.redis, self.prefix, self.client, self.checks = redis, prefix, client, checks
         self._models: dict[str, ModelTokenizer] = {}
         self._looked_at: dict[str, float] = {}

@@ -10,7 +10,7 @@ to last). Times are the gateway's own measurements, passed in explicitly, so spa
 built after the fact and never sit across an ``await``.
 
 Without an exporter configured, the global tracer provider is OpenTelemetry's no-op
-one: every call below returns at once and nothing is recorded.
+one: nothing is recorded, and no span is built.
 """
 
 from __future__ import annotations
@@ -58,8 +58,17 @@ class RoundTracer:
     def __init__(self) -> None:
         self.tracer = trace.get_tracer("ampd.gateway")
 
+    @staticmethod
+    def recording() -> bool:
+        """Whether a tracer provider is set. Until one is, every span is OpenTelemetry's no-op
+        one, and building a round's six of them for nothing took 70 Python calls a round."""
+        return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+
     def session(self, session_id: str, scope: str, start: float, end: float) -> tuple[str, str]:
-        """Record a new session's span; returns its (trace id, span id) in hex to keep with it."""
+        """Record a new session's span; returns its (trace id, span id) in hex to keep with it,
+        empty while nothing records."""
+        if not self.recording():
+            return "", ""
         span = self.tracer.start_span(
             "session", start_time=_ns(start), attributes={"ampd.session.id": session_id, "ampd.scope": scope}
         )
@@ -72,6 +81,8 @@ class RoundTracer:
     def round(self, parent: tuple[str, str], record: RoundRecord, times: RoundTimes, first: float, end: float) -> None:
         """A round's span under its session's, its phases as children: ``first`` and ``end``
         are its first and last token."""
+        if not self.recording():
+            return
         worker = record.prefill_worker if record.route == "remote" else record.decode_worker
         prefill = {"ampd.route": record.route, "ampd.worker": worker or "", "ampd.l_hist": record.l_hist,
                    "ampd.l_incr": record.l_incr}  # fmt: skip

@@ -68,8 +68,8 @@ class Reply:
         that count is one token."""
         if self.head is None:
             self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
-        usage = chunk.get("usage")
-        if usage is not None and not chunk.get("choices"):
+        usage, choices = chunk.get("usage"), chunk.get("choices")
+        if usage is not None and not choices:
             self.usage = usage
             return False
         tokens = 1
@@ -81,7 +81,7 @@ class Reply:
         elif tokens > 0:
             self.itl += [(now - (self.last_token_at or now)) / tokens] * tokens
             self.last_token_at = now
-        for choice in chunk.get("choices") or []:
+        for choice in choices or ():
             delta = choice.get("delta") or {}
             self.content += delta.get("content") or ""
             for call in delta.get("tool_calls") or []:

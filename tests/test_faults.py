@@ -166,6 +166,25 @@ def test_past_the_migration_limit_the_stream_ends_with_a_clean_error(cluster):
         assert "migration limit 0" in error["message"]
         assert len(text_of(events)) > 0
         assert migrations(gateway.url) == {"moved": 0.0, "refused": 1.0}
+
+        # A Messages stream ends as Anthropic's API ends one: an error event, in-band.
+        body = {"model": MODEL, "max_tokens": TOKENS, "stream": True, "ignore_eos": True, "seed": 4,
+                "messages": [{"role": "user", "content": f"Hello {uuid.uuid4().hex}"}]}  # fmt: skip
+        types, deltas = [], 0
+        with httpx.stream("POST", f"{gateway.url}/v1/messages", json=body, headers={"X-Session-Id": "stuck-too"},
+                          timeout=120) as response:  # fmt: skip
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    types.append(event["type"])
+                    deltas += event["type"] == "content_block_delta"
+                    if deltas == KILL_AFTER and event["type"] == "content_block_delta":
+                        kill(response.headers["x-ampd-decode-worker"])
+        assert types[0] == "message_start" and types[-1] == "error" and "message_stop" not in types, types[-3:]
+        assert deltas >= KILL_AFTER and event["error"]["type"] == "api_error", event
+        assert "migration limit 0" in event["error"]["message"]
+        assert migrations(gateway.url) == {"moved": 0.0, "refused": 2.0}
     finally:
         gateway.stop()
 

@@ -19,6 +19,7 @@ from huggingface_hub import constants
 from prometheus_client import CollectorRegistry, Counter
 from tokenizers import Tokenizer
 
+from gateway.metrics import Family
 from gateway.model_tokenizer import ModelTokenizer, _environment, _message, _tool
 from gateway.tokens import ServedTokenizers
 from gateway.upstream import EngineClient
@@ -168,7 +169,7 @@ def test_a_model_whose_count_differs_from_its_engine_is_counted_by_the_engine(mo
     async def run() -> list[int | None]:
         redis = aioredis.from_url(REDIS_URL, decode_responses=True)
         client = EngineClient(30.0)
-        checks = Counter("checks", "", ["result"], registry=CollectorRegistry())
+        checks = Family(Counter("checks", "", ["result"], registry=CollectorRegistry()))
         await redis.set(tokenizer_key(prefix, engine.model), json.dumps(files(model_dir)))
         tokenizers = ServedTokenizers(redis, prefix, client, checks)
         messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
