@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-import uuid
+import secrets
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -31,7 +31,7 @@ class GatewayConfig(BaseModel):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field(default="ampd", description="prefix of every Redis key; isolates deployments")
-    replica_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    replica_id: str = Field(default_factory=lambda: secrets.token_hex(6))
 
     policy: str = "ampd"
     alpha: float = Field(default=0.9, gt=0, description="TTFT slack factor of Alg. 1")

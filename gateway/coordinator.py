@@ -16,8 +16,8 @@ import asyncio
 import hashlib
 import logging
 import random
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -194,7 +194,9 @@ class Gateway:
         bound = self.rounds.bind(session.state if session else None, model, l_total, keeps_history=extends)
         if session is None:
             self.metrics.sessions.inc()
-            session = new_session(explicit or uuid.uuid4().hex, scope, bound.state, explicit_id=explicit is not None)
+            session = new_session(
+                explicit or secrets.token_hex(16), scope, bound.state, explicit_id=explicit is not None
+            )
         wants_usage = bool(request.stream_options and request.stream_options.include_usage) or not request.stream
         exchange = Exchange(
             arrival, scope, dict(raw, model=model), messages, engine_messages, engine_tools or None,

@@ -21,6 +21,7 @@ timeout could close one under a new request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -165,15 +166,11 @@ class EngineConnections:
         """``method`` on ``url``; the response once its headers are in, to be read within
         ``timeout_s`` (else the pool's). The connection goes back for reuse only if the
         response was read to its end."""
-        parts = urlsplit(url)
-        if parts.scheme != "http":  # no TLS here: plain bytes to a TLS port would read as a lost engine
-            raise ValueError(f"{url}: engines are reached over http:// only")
-        host, port = parts.hostname or "", parts.port or 80
+        host, port, target = _endpoint(url)
         connection = await self._connection(host, port)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = asyncio.get_running_loop().call_later(timeout_s, _expire, connection, timeout_s)
         try:
-            target = f"{parts.path or '/'}?{parts.query}" if parts.query else parts.path or "/"
             connection.send(_request(method, target, f"{host}:{port}", body, headers or {}))
             while not connection.status:
                 if connection.error is not None:
@@ -220,6 +217,16 @@ class EngineConnections:
         except (OSError, TimeoutError) as exc:
             raise Lost(f"cannot connect: {exc!r}") from exc
         return connection
+
+
+@functools.lru_cache(maxsize=1024)  # the engines' few URLs, parsed once rather than on every request
+def _endpoint(url: str) -> tuple[str, int, str]:
+    """The host, port and request target of an engine's ``url``."""
+    parts = urlsplit(url)
+    if parts.scheme != "http":  # no TLS here: plain bytes to a TLS port would read as a lost engine
+        raise ValueError(f"{url}: engines are reached over http:// only")
+    target = f"{parts.path or '/'}?{parts.query}" if parts.query else parts.path or "/"
+    return parts.hostname or "", parts.port or 80, target
 
 
 def _request(method: str, target: str, host: str, body: bytes | None, headers: dict[str, str]) -> bytes:

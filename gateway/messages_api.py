@@ -19,7 +19,7 @@ through. Errors have Anthropic's shape (:func:`error_body`). Everything here is 
 from __future__ import annotations
 
 import json
-import uuid
+import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -91,7 +91,7 @@ def parse_request(raw: Mapping[str, Any], model: type[MessagesRequest] = Message
 
 
 def new_message_id() -> str:
-    return f"msg_{uuid.uuid4().hex}"
+    return f"msg_{secrets.token_hex(16)}"
 
 
 # -- request: Messages -> chat ----------------------------------------------------------------

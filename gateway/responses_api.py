@@ -24,8 +24,8 @@ session. Everything here but :class:`ResponseStore` is pure: dicts in, dicts out
 from __future__ import annotations
 
 import json
+import secrets
 import time
-import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -73,7 +73,7 @@ def parse_request(raw: Mapping[str, Any]) -> ResponsesRequest:
 
 
 def new_response_id() -> str:
-    return f"resp_{uuid.uuid4().hex}"
+    return f"resp_{secrets.token_hex(16)}"
 
 
 # -- request: Responses -> chat ---------------------------------------------------------------
@@ -229,10 +229,10 @@ def output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A chat assistant message as Responses output items: its text, then its calls."""
     items: list[dict[str, Any]] = []
     if message.get("content"):
-        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
+        items.append(_message_item(f"msg_{secrets.token_hex(16)}", message["content"], "completed"))
     for call in message.get("tool_calls") or []:
         function = call["function"]
-        items.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], function["name"], function["arguments"],
+        items.append(_call_item(f"fc_{secrets.token_hex(16)}", call["id"], function["name"], function["arguments"],
                                 "completed"))  # fmt: skip
     return items
 
@@ -338,7 +338,7 @@ class ResponseEvents:
         out: list[bytes] = []
         if self._open is None or self._open["type"] != "message":
             out += self._close()
-            item = _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
+            item = _message_item(f"msg_{secrets.token_hex(16)}", "", "in_progress")
             self.output.append(item)
             self._open, self._text = item, ""
             out.append(self._event("response.output_item.added", output_index=self._index(), item=dict(item)))
@@ -356,7 +356,7 @@ class ResponseEvents:
         item = self._calls.get(index)
         if item is None:
             out += self._close()
-            item = _call_item(f"fc_{uuid.uuid4().hex}", call.get("id") or "", function.get("name") or "", "",
+            item = _call_item(f"fc_{secrets.token_hex(16)}", call.get("id") or "", function.get("name") or "", "",
                               "in_progress")  # fmt: skip
             self._calls[index] = item
             self.output.append(item)

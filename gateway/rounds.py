@@ -13,8 +13,8 @@ the round's record and spans.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -116,7 +116,7 @@ class RoundRunner:
         prefills = [self._candidate(p) for p in pool.prefillers(model, exclude=decode.info.worker_id)]
         started = time.perf_counter()
         plan = self.core.plan(
-            bound.state, uuid.uuid4().hex, l_total, created_at, self._candidate(decode), prefills, signals, ex.slo
+            bound.state, secrets.token_hex(16), l_total, created_at, self._candidate(decode), prefills, signals, ex.slo
         )
         self.metrics.decision.observe(time.perf_counter() - started)
         self.metrics.routes.labels(plan.route.kind, plan.route.reason).inc()
@@ -142,7 +142,7 @@ class RoundRunner:
             holds.slot = plan.route.worker_id
             times.queued_s, times.dispatched_at = dispatched.queued_s, time.time()
             self.metrics.queue_wait.observe(dispatched.queued_s)
-            request_id = uuid.uuid4().hex
+            request_id = secrets.token_hex(16)
             body = ex.engine_body()
             if r.route == "remote":
                 body = await self._prefill(r, body, request_id)
@@ -197,7 +197,7 @@ class RoundRunner:
                     self.metrics.migrations.labels("refused").inc()
                     raise UpstreamError(f"{exc}; not moved: migration limit {limit}") from exc
                 leg, transform = await self._migrate(ex, r, body, reply, view)
-                request_id = uuid.uuid4().hex
+                request_id = secrets.token_hex(16)
         if r.migrations and reply.usage is not None:
             reply.usage = round_usage(reply.usage, r.plan.task.l_total)
 
