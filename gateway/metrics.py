@@ -63,11 +63,9 @@ class GatewayMetrics:
         self.postponements = Counter(
             "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", registry=r
         )
-        self.ttft = Family(
-            Histogram(
-                "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r
-            )
-        )
+        self.ttft = Family(Histogram(
+            "ampd_ttft_seconds", "Time to first token of a round.", ["kind"], buckets=LATENCY_BUCKETS, registry=r,
+        ))  # fmt: skip
         self.itl = Histogram(
             "ampd_itl_seconds", "Mean inter-token latency of a round.", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -111,14 +109,9 @@ class GatewayMetrics:
             registry=r,
         ))  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
-        self.role_moves = Family(
-            Counter(
-                "ampd_role_moves",
-                "Engines the elastic controller moved to another role, by why.",
-                ["reason"],
-                registry=r,
-            )
-        )
+        self.role_moves = Family(Counter(
+            "ampd_role_moves", "Engines the elastic controller moved to another role, by why.", ["reason"], registry=r,
+        ))  # fmt: skip
         self.sessions_active = Gauge(  # set by the process a scrape reaches, just before it answers
             "ampd_sessions_active", "Sessions with an exchange in the last 5 minutes, all replicas.", registry=r,
             multiprocess_mode="livemostrecent",

@@ -304,10 +304,10 @@ async def _decode_point(
     window_start: list[int] | None = None
     started, enough = asyncio.Event(), asyncio.Event()  # the steady window began; it is long enough
     failure: list[str] = []
-    short: list[int] = []  # chunks read by the streams that ran out before the window
+    short: list[str] = []  # the streams that ran out of tokens before the window was long enough
 
-    def fail(reason: str) -> None:
-        failure.append(reason)
+    def end(reasons: list[str], reason: str) -> None:
+        reasons.append(reason)
         started.set()
         enough.set()
 
@@ -326,14 +326,14 @@ async def _decode_point(
         try:
             await read(i)
         except Exception as exc:  # a broken stream, a chunk that is not JSON: the wait must end
-            fail(f"{type(exc).__name__}: {exc}")
+            end(failure, f"{type(exc).__name__}: {exc}")
 
     async def read(i: int) -> None:
         options = {"include_usage": True, "continuous_usage_stats": True}
         content = t.body(_tokens(rng, context), max_tokens, stream=True, stream_options=options)
         async with t.client.stream("POST", f"{t.url}/v1/completions", content=content, headers=_JSON) as r:
             if r.status_code != 200:
-                fail(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+                end(failure, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -346,9 +346,7 @@ async def _decode_point(
                 count = int(usage.get("completion_tokens") or (arrivals[i][-1][1] + 1 if arrivals[i] else 1))
                 observe(i, now, count)
         if not enough.is_set():
-            short.append(len(arrivals[i]))
-            started.set()
-            enough.set()
+            end(short, f"a stream finished after {len(arrivals[i])} chunks, before the batch was steady")
 
     tasks = [asyncio.create_task(stream(i)) for i in range(batch)]
     before = after = None
@@ -371,13 +369,13 @@ async def _decode_point(
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # cancelled, or ended through fail()
+        await asyncio.gather(*tasks, return_exceptions=True)  # cancelled, or ended through end()
         await t.wait_idle()
-    if failure:
-        raise ProfilerError(f"decode batch {batch} x {context}: {failure}")
     where = f"decode batch {batch} x {context}"
+    if failure:
+        raise ProfilerError(f"{where}: {failure}")
     if short:
-        raise ShortWindow(f"{where}: a stream finished after {short[0]} chunks, before the batch was steady")
+        raise ShortWindow(f"{where}: {short[0]}")
     assert window_start is not None
     steps, itl = _growth(before, after, f"{wire.ITL}_count"), _growth(before, after, f"{wire.ITL}_sum")
     if t.clock == "engine":
