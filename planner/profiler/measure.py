@@ -283,7 +283,7 @@ async def _decode_point_retried(
     """:func:`_decode_point`, with twice the tokens per stream after a :class:`ShortWindow`.
 
     How late a loaded client is can only be seen by running the point. Streams are
-    cancelled once the window is long enough, so the extra tokens cost the engine nothing;
+    closed once the window is long enough, so the extra tokens cost the engine nothing;
     ``limit`` (the model's length, the KV capacity) bounds them.
     """
     while True:
@@ -303,6 +303,8 @@ async def _decode_point(
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(batch)]  # (time, completion tokens so far)
     window_start: list[int] | None = None
     started, enough = asyncio.Event(), asyncio.Event()  # the steady window began; it is long enough
+    over = asyncio.Event()  # the point has what it needs: each open stream closes itself
+    opened = [False] * batch  # the stream has its response
     failure: list[str] = []
     short: list[str] = []  # the streams that ran out of tokens before the window was long enough
 
@@ -332,10 +334,13 @@ async def _decode_point(
         options = {"include_usage": True, "continuous_usage_stats": True}
         content = t.body(_tokens(rng, context), max_tokens, stream=True, stream_options=options)
         async with t.client.stream("POST", f"{t.url}/v1/completions", content=content, headers=_JSON) as r:
+            opened[i] = True
             if r.status_code != 200:
                 end(failure, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 return
             async for line in r.aiter_lines():
+                if over.is_set():
+                    return
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
@@ -367,9 +372,16 @@ async def _decode_point(
                 await asyncio.sleep(0.02)
                 after = await t.metrics()
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # cancelled, or ended through end()
+        # An open stream leaves at its next chunk and closes its response itself: a task
+        # cancelled while httpx closes a response leaks the pooled connection (httpcore's
+        # shield does not hold against asyncio's own cancel), and a profile's retried points
+        # then queued for the pool until it timed out. Only a stream still waiting for its
+        # response is cancelled.
+        over.set()
+        for task, open_ in zip(tasks, opened, strict=True):
+            if not open_:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # left, cancelled, or ended through end()
         await t.wait_idle()
     where = f"decode batch {batch} x {context}"
     if failure:
