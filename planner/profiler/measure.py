@@ -208,6 +208,10 @@ class _Target:
 
 
 _JSON = {"Content-Type": "application/json"}
+# A connection idle this long is not reused: vLLM's server (uvicorn) closes one after 5 s, and
+# one it closes just as a request goes out on it fails the request (ReadError), which
+# happened on a loaded machine with httpx's default of 5 s.
+KEEPALIVE_S = 1.0
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -303,8 +307,7 @@ async def _decode_point(
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(batch)]  # (time, completion tokens so far)
     window_start: list[int] | None = None
     started, enough = asyncio.Event(), asyncio.Event()  # the steady window began; it is long enough
-    over = asyncio.Event()  # the point has what it needs: each open stream closes itself
-    opened = [False] * batch  # the stream has its response
+    over = asyncio.Event()  # the point is over: each stream leaves at its next chunk
     failure: list[str] = []
     short: list[str] = []  # the streams that ran out of tokens before the window was long enough
 
@@ -333,8 +336,9 @@ async def _decode_point(
     async def read(i: int) -> None:
         options = {"include_usage": True, "continuous_usage_stats": True}
         content = t.body(_tokens(rng, context), max_tokens, stream=True, stream_options=options)
+        if over.is_set():
+            return
         async with t.client.stream("POST", f"{t.url}/v1/completions", content=content, headers=_JSON) as r:
-            opened[i] = True
             if r.status_code != 200:
                 end(failure, f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
                 return
@@ -372,16 +376,13 @@ async def _decode_point(
                 await asyncio.sleep(0.02)
                 after = await t.metrics()
     finally:
-        # An open stream leaves at its next chunk and closes its response itself: a task
-        # cancelled while httpx closes a response leaks the pooled connection (httpcore's
-        # shield does not hold against asyncio's own cancel), and a profile's retried points
-        # then queued for the pool until it timed out. Only a stream still waiting for its
-        # response is cancelled.
+        # Each stream leaves at its next chunk and closes its response itself (which aborts
+        # the engine's request); none is cancelled. httpx keeps a pooled connection taken
+        # when a task is cancelled while it closes a response, or between connecting and
+        # sending (httpcore's shields do not hold against asyncio's own cancel): a profile's
+        # retried points lost connections try by try until the pool timed out.
         over.set()
-        for task, open_ in zip(tasks, opened, strict=True):
-            if not open_:
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # left, cancelled, or ended through end()
+        await asyncio.gather(*tasks)  # each left, or ended through end()
         await t.wait_idle()
     where = f"decode batch {batch} x {context}"
     if failure:
@@ -456,7 +457,11 @@ async def measure(
     """
     say = progress or (lambda _: None)
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=max(grid.decode_batch, default=1) + 16, max_keepalive_connections=32)
+    limits = httpx.Limits(
+        max_connections=max(grid.decode_batch, default=1) + 16,
+        max_keepalive_connections=32,
+        keepalive_expiry=KEEPALIVE_S,
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model, max_len = await _models(client, url)
         t = _Target(client, url, model, clock)
