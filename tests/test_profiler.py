@@ -240,19 +240,18 @@ def test_a_decode_point_whose_streams_started_apart_is_run_again_with_more_token
     held = 0
     t: _Target
 
+    async def busy() -> float:
+        metrics = await t.metrics() or {}
+        return metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0)
+
     async def hold_the_last_stream(request: httpx.Request) -> None:
         nonlocal held
         if request.url.path == "/v1/completions" and b'"stream":true' in request.content:
             held += 1
-            if held == batch:  # the first try's last stream, until the others ran out
-                busy = False
-                while True:
-                    metrics = await t.metrics() or {}
-                    if metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0):
-                        busy = True
-                    elif busy:
-                        return
+            if held == batch:  # the first try's last stream, until the others ran
+                while not await busy():
                     await asyncio.sleep(0.05)
+                await t.wait_idle()  # ... and ran out
 
     async def run(url: str) -> tuple[DecodeSample, list[str]]:
         nonlocal t
