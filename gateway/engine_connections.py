@@ -15,7 +15,8 @@ deadline raises :class:`TimedOut` (a kind of Lost); a response is complete only 
 last chunk arrived; a reader that stops early (the client hung up) closes the
 connection, and so aborts the engine's request. Connections idle longer than
 ``keepalive_s`` are dropped rather than reused, before the server's own keep-alive
-timeout could close one under a new request.
+timeout could close one under a new request; where one closes anyway (a gateway starved of
+CPU reads the server's close late), the request goes once more on a new connection.
 """
 
 from __future__ import annotations
@@ -54,12 +55,15 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None  # why the connection ended
         self.waiter: asyncio.Future[None] | None = None
         self.idle_since = 0.0
+        self.reused = False  # taken from the idle ones: it has served a request before
+        self.answered = False  # some of the current response arrived
 
     # -- asyncio.Protocol ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -93,7 +97,7 @@ class _Connection(asyncio.Protocol):
     def send(self, request: bytes) -> None:
         assert self.transport is not None
         self.parser = httptools.HttpResponseParser(self)
-        self.status, self.chunks, self.complete, self.keep_alive = 0, [], False, False
+        self.status, self.chunks, self.complete, self.keep_alive, self.answered = 0, [], False, False, False
         self.transport.write(request)
 
     async def wait(self) -> None:
@@ -116,6 +120,16 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    @property
+    def closed_under_request(self) -> bool:
+        """A kept-alive connection that ended before any of the response came. Almost
+        always the server closed it idle (its keep-alive ran out) as the request went out,
+        and no application saw the request, so it is sent once more on a new connection. A
+        server that took it and then died refuses the new one; one that took it and closed
+        the connection on purpose runs the request twice, the first copy aborted with its
+        connection - for an engine, a generation's cost and nothing else."""
+        return self.reused and not self.answered and self.error is not None and not isinstance(self.error, TimedOut)
 
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -167,13 +181,21 @@ class EngineConnections:
         ``timeout_s`` (else the pool's). The connection goes back for reuse only if the
         response was read to its end."""
         host, port, target = _endpoint(url)
-        connection = await self._connection(host, port)
+        request = _request(method, target, f"{host}:{port}", body, headers or {})
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = asyncio.get_running_loop().call_later(timeout_s, _expire, connection, timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline_at = loop.time() + timeout_s
+        connection = await self._connection(host, port)
+        deadline = loop.call_at(deadline_at, _expire, connection, timeout_s)
         try:
-            connection.send(_request(method, target, f"{host}:{port}", body, headers or {}))
+            connection.send(request)
             while not connection.status:
-                if connection.error is not None:
+                if connection.closed_under_request:  # once: the new connection is not reused
+                    deadline.cancel()
+                    connection = await self._connect(host, port)
+                    deadline = loop.call_at(deadline_at, _expire, connection, timeout_s)
+                    connection.send(request)
+                elif connection.error is not None:
                     raise connection.error
                 await connection.wait()
             yield Response(connection.status, connection)
@@ -204,12 +226,17 @@ class EngineConnections:
         return connection.usable and connection.idle_since > time.monotonic() - self.keepalive_s
 
     async def _connection(self, host: str, port: int) -> _Connection:
+        """The most recently used idle connection to the engine, else a new one."""
         idle = self._idle.get((host, port), [])
         while idle:
             connection = idle.pop()
             if self._reusable(connection):
+                connection.reused = True
                 return connection
             connection.close()
+        return await self._connect(host, port)
+
+    async def _connect(self, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):

@@ -196,22 +196,22 @@ class RoundRunner:
                 if r.migrations >= limit:
                     self.metrics.migrations.labels("refused").inc()
                     raise UpstreamError(f"{exc}; not moved: migration limit {limit}") from exc
-                leg, transform = await self._migrate(ex, r, body, reply, view)
+                leg, transform = await self._migrate(ex, r, body, reply, view, exc)
                 request_id = secrets.token_hex(16)
         if r.migrations and reply.usage is not None:
             reply.usage = round_usage(reply.usage, r.plan.task.l_total)
 
     async def _migrate(
-        self, ex: Exchange, r: Round, body: dict[str, Any], reply: Reply, view: ClientView | None
+        self, ex: Exchange, r: Round, body: dict[str, Any], reply: Reply, view: ClientView | None, cause: UpstreamError
     ) -> tuple[dict[str, Any], Transform | None]:
-        """Re-bind the session off its lost decode worker; the request and chunk rewriter
-        that continue the round there."""
+        """Re-bind the session off its lost decode worker (``cause``: how it was lost); the
+        request and chunk rewriter that continue the round there."""
         lost, model, l_total = r.decode.info.worker_id, ex.body["model"], r.plan.task.l_total
         self.pool.forget(lost)
         try:
             bound = self.bind(ex.session.state, model, l_total)
         except ValueError as exc:
-            raise UpstreamError(f"decode worker {lost} was lost and no other is left", 503) from exc
+            raise UpstreamError(f"decode worker {lost} was lost ({cause}) and no other is left", 503) from exc
         ex.rebound(bound)
         r.decode, r.arriving, r.migrations = self.pool.workers[bound.state.decode_worker], l_total, r.migrations + 1
         leg = continuation_body(body, reply)

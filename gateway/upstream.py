@@ -141,7 +141,7 @@ class EngineClient:
             body.update(add_generation_prompt=False, continue_final_message=True)
         if tools:
             body["tools"] = tools
-        return int((await self._post(f"{url}/tokenize", body, attempts=2))["count"])  # idempotent: may retry
+        return int((await self._post(f"{url}/tokenize", body))["count"])
 
     async def prefill(
         self, url: str, body: dict[str, Any], request_id: str, split_at: int | None = None
@@ -230,28 +230,17 @@ class EngineClient:
             raise _error_in(url, r.status, body)
         return body.decode()
 
-    async def _post(
-        self, url: str, body: dict[str, Any], request_id: str | None = None, attempts: int = 1
-    ) -> dict[str, Any]:
-        """POST and return the JSON answer. Idempotent calls pass ``attempts=2``: a pooled
-        connection the server closed at the same moment fails without the server having
-        seen the request, and a fresh connection fixes it."""
+    async def _post(self, url: str, body: dict[str, Any], request_id: str | None = None) -> dict[str, Any]:
+        """POST and return the JSON answer."""
         headers = {"X-Request-Id": request_id, **_JSON} if request_id else _JSON
-        data = _json(body)
-        for attempt in range(1, attempts + 1):
-            try:
-                async with self.connections.request("POST", url, data, headers) as r:
-                    answer = await r.read()
-            except TimedOut as exc:
-                raise UpstreamError(f"{url} unreachable: {exc}", lost=True) from exc
-            except Lost as exc:
-                if attempt == attempts:
-                    raise UpstreamError(f"{url} unreachable: {exc}", lost=True) from exc
-                continue
-            if r.status != 200:
-                raise _error_in(url, r.status, answer)
-            return orjson.loads(answer)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        try:
+            async with self.connections.request("POST", url, _json(body), headers) as r:
+                answer = await r.read()
+        except Lost as exc:
+            raise UpstreamError(f"{url} unreachable: {exc}", lost=True) from exc
+        if r.status != 200:
+            raise _error_in(url, r.status, answer)
+        return orjson.loads(answer)
 
 
 _JSON = {"Content-Type": "application/json"}

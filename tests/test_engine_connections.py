@@ -1,7 +1,7 @@
 """The gateway's own HTTP/1.1 connections for decode streams (gateway.engine_connections),
 against a real HTTP server in a subprocess (aiohttp's) that can stream, cut a stream,
-answer an error, stall, and say which connections it has seen and which requests it saw
-end early."""
+answer an error, stall, hang up on a request, and say which connections it has seen, which
+requests it saw end early and which it hung up on."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SERVER = r"""
 import asyncio, sys
 from aiohttp import web
 
-peers, aborted = set(), []
+peers, aborted, hung_up, served = set(), [], [], {}
 
 async def stream(request):
     peers.add(request.transport.get_extra_info("peername"))
@@ -49,14 +49,27 @@ async def error(request):
 async def stall(request):
     await asyncio.sleep(3600)
 
+async def hang_up(request):
+    # The connection closed unanswered: always (?always=1), else where it served before - a
+    # kept-alive connection closed by the server's keep-alive timer as the request came.
+    peer = request.transport.get_extra_info("peername")
+    peers.add(peer)
+    served[peer] = served.get(peer, 0) + 1
+    if request.query.get("always") or served[peer] > 1:
+        hung_up.append(request.query.get("id"))
+        request.transport.close()
+        await asyncio.sleep(3600)
+    return web.Response(body=b"answered")
+
 async def seen(request):
-    return web.json_response({"connections": len(peers), "aborted": aborted})
+    return web.json_response({"connections": len(peers), "aborted": aborted, "hung_up": hung_up})
 
 app = web.Application(handler_args={"handler_cancellation": True})
 app.router.add_post("/stream", stream)
 app.router.add_post("/cut", stream)
 app.router.add_post("/error", error)
 app.router.add_post("/stall", stall)
+app.router.add_post("/hang-up", hang_up)
 app.router.add_get("/seen", seen)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
@@ -156,6 +169,39 @@ def test_a_request_past_its_deadline_is_lost(server: str) -> None:
             await pool.close()
 
     assert asyncio.run(run()) < 10  # the deadline, not the server's hour, ended it
+
+
+def test_a_kept_alive_connection_closed_under_a_request_sends_it_again_on_a_new_one(server: str) -> None:
+    async def run() -> list[tuple[int, bytes]]:
+        pool = connections()
+        try:
+            return [await body_of(pool, f"{server}/hang-up?id={k}") for k in range(2)]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(run()) == [(200, b"answered")] * 2
+    assert seen(server) == {"connections": 2, "aborted": [], "hung_up": ["1"]}  # the second, once
+
+
+def test_a_request_hung_up_on_is_sent_again_only_where_its_connection_was_kept_alive(server: str) -> None:
+    """A new connection that ends unanswered is the engine's answer (it took the request and
+    died, or refuses it): Lost, not sent again - also where it was itself the second try."""
+
+    async def run() -> list[Exception]:
+        pool = connections()
+        failures = []
+        try:
+            for k in ("fresh", "kept"):
+                with pytest.raises(Lost, match="connection closed") as failure:
+                    await body_of(pool, f"{server}/hang-up?always=1&id={k}")
+                failures.append(failure.value)
+                await body_of(pool, f"{server}/stream?n=1")  # leaves a kept-alive connection
+        finally:
+            await pool.close()
+        return failures
+
+    assert not any(isinstance(f, TimedOut) for f in asyncio.run(run()))
+    assert seen(server)["hung_up"] == ["fresh", "kept", "kept"]
 
 
 def test_an_engine_url_other_than_http_is_refused_plainly() -> None:
