@@ -24,7 +24,6 @@ from planner.profiler.measure import (
 )
 from planner.profiler.samples import DecodeSample, Grid, Measurements, PrefillSample, TransferSample
 from tests.engines import start_sim_worker, stop
-from workers import wire
 
 TRUE = load_profile(DEFAULT_PROFILE)  # Llama-3.1-8B on one H100 (roofline)
 
@@ -240,16 +239,12 @@ def test_a_decode_point_whose_streams_started_apart_is_run_again_with_more_token
     held = 0
     t: _Target
 
-    async def busy() -> float:
-        metrics = await t.metrics() or {}
-        return metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0)
-
     async def hold_the_last_stream(request: httpx.Request) -> None:
         nonlocal held
         if request.url.path == "/v1/completions" and b'"stream":true' in request.content:
             held += 1
             if held == batch:  # the first try's last stream, until the others ran
-                while not await busy():
+                while not await t.busy():
                     await asyncio.sleep(0.05)
                 await t.wait_idle()  # ... and ran out
 

@@ -192,15 +192,19 @@ class _Target:
             raise ProfilerError(f"{self.url}: the stream ended without a token")
         return first - start
 
+    async def busy(self) -> float | None:
+        """The requests running or waiting on the engine; None where it publishes no metrics."""
+        metrics = await self.metrics()
+        return None if metrics is None else metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0)
+
     async def wait_idle(self, timeout_s: float = 60.0) -> None:
         """Until no request runs or waits (aborted streams take a moment to go)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            metrics = await self.metrics()
-            if metrics is None:
+            busy = await self.busy()
+            if busy is None:
                 await asyncio.sleep(0.5)
                 return
-            busy = metrics.get(wire.RUNNING, 0) + metrics.get(wire.WAITING, 0)
             if busy == 0:
                 return
             await asyncio.sleep(0.05)
