@@ -558,9 +558,10 @@ def profile_kernels(
         Path | None, typer.Option(help="compare these measurements (planner/profiler/kernels.py's JSON) instead")
     ] = None,
     layers: Annotated[int | None, typer.Option(help="allocate at most this many layers (scaled up)")] = None,
+    tp: Annotated[int, typer.Option(help="time one rank's shard at this tensor-parallel degree")] = 1,
     repeats: int = 10,
 ) -> None:
-    """Time the model's prefill and decode kernels with PyTorch (TP 1) next to the roofline's price."""
+    """Time the model's prefill and decode kernels with PyTorch (one TP rank) next to the roofline's price."""
     from dataclasses import asdict
 
     from planner.profiler.kernels import Shape, check_shape, compare, measure
@@ -574,14 +575,14 @@ def profile_kernels(
             check_shape(raw, spec)
         else:
             with console.status("timing kernels") as status:
-                raw = measure(Shape.from_dict(spec.model_dump()), device=device, layers=layers, repeats=repeats,
-                              progress=status.update)  # fmt: skip
+                raw = measure(Shape.from_dict(spec.model_dump()), device=device, layers=layers, tp=tp,
+                              repeats=repeats, progress=status.update)  # fmt: skip
     except (RuntimeError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
     rows = compare(raw, spec, GPUS[gpu])
     table = Table("step", "measured", "roofline - overhead", "measured / roofline", "TFLOP/s", "TB/s",
-                  title=f"{model} on {raw['device']} (TP 1) vs the {gpu} roofline")  # fmt: skip
+                  title=f"{model} on {raw['device']} (TP {raw.get('tp', 1)}) vs the {gpu} roofline")  # fmt: skip
     for r in rows:
         step = f"prefill {r.tokens:,}" if r.kind == "prefill" else f"decode b={r.tokens} c={r.context:,}"
         table.add_row(step, f"{r.measured_s * 1e3:.2f} ms", f"{r.predicted_s * 1e3:.2f} ms", f"{r.ratio:.2f}",

@@ -53,13 +53,17 @@ def _forward_seconds(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency, t
     peak = gpu.peak_flops[model.weight_dtype] * eff.compute * tp
     math_s = model.matmul_flops_per_token * tokens / peak
     memory_s = model.weights_read_bytes(int(tokens)) / (gpu.hbm_bandwidth * eff.memory * tp)
-    allreduce_s = 0.0
-    if tp > 1:
-        # Two all-reduces per layer (after attention and after the MLP), ring algorithm.
-        message = tokens * model.hidden_size * DTYPE_BYTES["bf16"]
-        ring = 2 * (tp - 1) / tp * message / (gpu.intra_node_bandwidth * eff.interconnect)
-        allreduce_s = 2 * model.num_layers * (eff.allreduce_latency_s + ring)
-    return eff.step_overhead_s + max(math_s, memory_s) + allreduce_s
+    return eff.step_overhead_s + max(math_s, memory_s) + allreduce_seconds(model, gpu, tp, eff, tokens)
+
+
+def allreduce_seconds(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency, tokens: float) -> float:
+    """Tensor parallelism's communication in one forward pass: two all-reduces per layer
+    (after attention and after the MLP), ring algorithm over the node's interconnect."""
+    if tp == 1:
+        return 0.0
+    message = tokens * model.hidden_size * DTYPE_BYTES["bf16"]
+    ring = 2 * (tp - 1) / tp * message / (gpu.intra_node_bandwidth * eff.interconnect)
+    return 2 * model.num_layers * (eff.allreduce_latency_s + ring)
 
 
 def _ridge(model: ModelSpec, gpu: GPUSpec, eff: Efficiency) -> float:

@@ -67,3 +67,36 @@ def test_without_torch_the_command_fails_in_one_line(monkeypatch):
     result = CliRunner().invoke(app, ["profile", "kernels", "--model", "llama-3.1-8b", "--gpu", "H100"])
     assert result.exit_code == 1
     assert result.output.strip() == "PyTorch is not installed in this Python (pip install torch)"
+
+
+@pytest.mark.unit
+def test_a_tp_shard_divides_heads_width_and_vocabulary_and_is_priced_without_its_all_reduces():
+    from perfmodel.catalog import MODELS
+    from perfmodel.roofline import HOPPER_EFFICIENCY, allreduce_seconds, roofline_profile
+    from planner.profiler.kernels import Shape
+
+    llama = MODELS["llama-3.1-70b"]
+    shape = Shape.from_dict(llama.model_dump())
+    shard = shape.shard(8)
+    assert (shard.num_attention_heads, shard.num_kv_heads, shard.intermediate_size, shard.vocab_size) == (
+        8, 1, 3584, 16032)  # fmt: skip
+    assert (shard.hidden_size, shard.num_layers, shard.head_dim) == (8192, 80, 128)
+    assert shape.shard(16).num_kv_heads == 1  # KV heads replicated past their count
+    with pytest.raises(ValueError, match="does not divide"):
+        shape.shard(3)
+
+    # One point timed at TP 4 is priced by the TP 4 roofline less its overhead and all-reduces.
+    raw = {"tp": 4, "prefill": [{"tokens": 1024, "seconds": 0.05}], "decode": [{"batch": 8, "context": 4096,
+           "seconds": 0.01}]}  # fmt: skip
+    gpu = GPUS["H200"]
+    pieces = roofline_profile(llama, gpu, 4).pieces
+    prefill, decode = compare(raw, llama, gpu)
+    fixed = HOPPER_EFFICIENCY.step_overhead_s
+    assert prefill.predicted_s == pytest.approx(
+        pieces.forward(1024) + pieces.prefill_attention(1024 * 1025 / 2) - fixed
+        - allreduce_seconds(llama, gpu, 4, HOPPER_EFFICIENCY, 1024))  # fmt: skip
+    assert decode.predicted_s == pytest.approx(
+        pieces.forward(8) + pieces.context_read(8 * 4096) - fixed
+        - allreduce_seconds(llama, gpu, 4, HOPPER_EFFICIENCY, 8))  # fmt: skip
+    assert allreduce_seconds(llama, gpu, 4, HOPPER_EFFICIENCY, 1024) > 0 == allreduce_seconds(
+        llama, gpu, 1, HOPPER_EFFICIENCY, 1024)  # fmt: skip

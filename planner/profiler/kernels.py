@@ -37,7 +37,8 @@ only as many as the free memory holds KV caches for, each layer with its own wei
 and its own cache, so no timed layer reads what an earlier one left in L2.
 
 Runs standalone with PyTorch alone (the GPU machine has no ampd dependencies):
-``python3 planner/profiler/kernels.py --model-json MODEL.json --out RAW.json``; then
+``python3 planner/profiler/kernels.py --model-json MODEL.json --out RAW.json`` (a shipped
+profile serves as MODEL.json; ``--tp N`` times one rank's shard); then
 ``ampd profile kernels --measured RAW.json`` compares it with the roofline.
 """
 
@@ -49,7 +50,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,23 @@ class Shape:
             raise ValueError("only dense models: this times a dense decoder layer, not MoE experts")
         return cls(**{name: int(spec[name]) for name in cls.__dataclass_fields__})
 
+    def shard(self, tp: int) -> Shape:
+        """What one of ``tp`` tensor-parallel ranks computes, as vLLM shards a Llama layer
+        (Megatron-LM's column/row split): query heads, the MLP's intermediate width and the
+        LM head's vocabulary divided by ``tp``; KV heads divided too, but replicated once
+        ``tp`` exceeds them (each rank keeps at least one); the hidden size whole. The
+        all-reduces between ranks are not in a shard's time (one GPU has no peer)."""
+        if tp < 1 or self.num_attention_heads % tp or self.intermediate_size % tp:
+            raise ValueError(f"TP {tp} does not divide {self.num_attention_heads} heads and "
+                             f"{self.intermediate_size} intermediate width")  # fmt: skip
+        return replace(
+            self,
+            num_attention_heads=self.num_attention_heads // tp,
+            num_kv_heads=-(-self.num_kv_heads // tp),
+            intermediate_size=self.intermediate_size // tp,
+            vocab_size=-(-self.vocab_size // tp),
+        )
+
 
 def measure(
     shape: Shape,
@@ -92,6 +110,7 @@ def measure(
     decode_batches: Sequence[int] = DECODE_BATCHES,
     decode_contexts: Sequence[int] = DECODE_CONTEXTS,
     layers: int | None = None,
+    tp: int = 1,
     warmup: int = 3,
     repeats: int = 10,
     progress: Callable[[str], None] = lambda line: None,
@@ -99,7 +118,9 @@ def measure(
 ) -> dict[str, Any]:
     """Time prefill and decode steps of ``shape`` (see the module docstring); JSON-able result.
 
-    ``layers`` caps how many layers are allocated (default all). A point that fails is
+    ``tp`` times one rank's shard of each layer (:meth:`Shape.shard`); the step's time
+    is then that rank's kernel time, the all-reduces left out. ``layers`` caps how many
+    layers are allocated (default all). A point that fails is
     recorded with its ``error`` and the rest still run; ``checkpoint`` gets the result so
     far after each point (a device run cut short keeps what it measured). On CUDA the
     result also holds a ``calibration``: what a large bf16 GEMM and a device copy reach.
@@ -114,6 +135,7 @@ def measure(
         raise RuntimeError("no CUDA device is visible to PyTorch (use --device cpu for a test run)")
     started = time.perf_counter()
     torch.manual_seed(0)
+    model_shape, shape = shape, shape.shard(tp)
     allocated = min(layers or shape.num_layers, shape.num_layers)
     weights = [_layer_weights(torch, shape, dev) for _ in range(allocated)]
     final_norm = torch.ones(shape.hidden_size, dtype=torch.bfloat16, device=dev)
@@ -124,7 +146,9 @@ def measure(
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "dtype": "bfloat16",
-        "shape": asdict(shape),
+        "shape": asdict(model_shape),
+        "tp": tp,
+        "shard": asdict(shape),
         "layers_allocated": allocated,
         "warmup": warmup,
         "repeats": repeats,
@@ -359,25 +383,32 @@ class Row:
 
 
 def compare(raw: dict[str, Any], model: ModelSpec, gpu: GPUSpec) -> list[Row]:
-    """Each measured point against ``roofline_profile(model, gpu, 1)`` (what `ampd profile
-    roofline` derives) without its fixed per-step overhead: prefill ``forward(n) +
-    prefill_attention(n(n+1)/2)``, decode ``forward(b) + context_read(b c)``."""
-    from perfmodel.roofline import roofline_profile
+    """Each measured point against ``roofline_profile(model, gpu, tp)`` (what `ampd profile
+    roofline` derives) at the measurement's TP degree, without its fixed per-step overhead
+    and, at TP > 1, without the all-reduces a shard's kernels do not include: prefill
+    ``forward(n) + prefill_attention(n(n+1)/2)``, decode ``forward(b) + context_read(b c)``.
+    FLOP/s and bytes/s are one rank's: the model's work divided by ``tp``."""
+    from perfmodel.roofline import allreduce_seconds, roofline_profile
 
-    profile = roofline_profile(model, gpu, 1)
-    pieces, overhead = profile.pieces, profile.efficiency.step_overhead_s if profile.efficiency else 0.0
+    tp = raw.get("tp", 1)
+    profile = roofline_profile(model, gpu, tp)
+    pieces, eff = profile.pieces, profile.efficiency
+
+    def fixed(tokens: int) -> float:
+        return eff.step_overhead_s + allreduce_seconds(model, gpu, tp, eff, tokens) if eff else 0.0
+
     rows = []
     for p in (p for p in raw["prefill"] if "seconds" in p):  # failed points carry an "error" instead
         n, pairs = p["tokens"], p["tokens"] * (p["tokens"] + 1) / 2
-        predicted = pieces.forward(n) + pieces.prefill_attention(pairs) - overhead
-        flops = model.matmul_flops_per_token * n + model.attention_flops_per_pair * pairs
+        predicted = pieces.forward(n) + pieces.prefill_attention(pairs) - fixed(n)
+        flops = (model.matmul_flops_per_token * n + model.attention_flops_per_pair * pairs) / tp
         rows.append(Row("prefill", n, 0, p["seconds"], predicted, flops / p["seconds"] / 1e12,
-                        model.weights_read_bytes(n) / p["seconds"] / 1e12))  # fmt: skip
+                        model.weights_read_bytes(n) / tp / p["seconds"] / 1e12))  # fmt: skip
     for d in (d for d in raw["decode"] if "seconds" in d):
         b, c = d["batch"], d["context"]
-        predicted = pieces.forward(b) + pieces.context_read(b * c) - overhead
-        flops = model.matmul_flops_per_token * b + model.attention_flops_per_pair * b * c
-        read = model.weights_read_bytes(b) + model.kv_bytes_per_token_per_rank(1) * b * c
+        predicted = pieces.forward(b) + pieces.context_read(b * c) - fixed(b)
+        flops = (model.matmul_flops_per_token * b + model.attention_flops_per_pair * b * c) / tp
+        read = model.weights_read_bytes(b) / tp + model.kv_bytes_per_token_per_rank(tp) * b * c
         rows.append(Row("decode", b, c, d["seconds"], predicted, flops / d["seconds"] / 1e12,
                         read / d["seconds"] / 1e12))  # fmt: skip
     return rows
@@ -396,7 +427,9 @@ def _ints(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Time a dense model's prefill and decode kernels (PyTorch only).")
     parser.add_argument(
-        "--model-json", required=True, help="a ModelSpec's JSON (or its shape fields): a file or the text"
+        "--model-json",
+        required=True,
+        help="a ModelSpec's JSON (or its shape fields, or a profile holding it): a file or the text",
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
@@ -404,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batches", type=_ints, default=list(DECODE_BATCHES))
     parser.add_argument("--contexts", type=_ints, default=list(DECODE_CONTEXTS))
     parser.add_argument("--layers", type=int, default=None, help="allocate at most this many layers")
+    parser.add_argument("--tp", type=int, default=1, help="time one rank's shard at this tensor-parallel degree")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
@@ -414,9 +448,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     try:
-        write(measure(Shape.from_dict(json.loads(text)), device=args.device, prefill_tokens=args.prefill,
+        spec = json.loads(text)
+        write(measure(Shape.from_dict(spec.get("model", spec)), device=args.device, prefill_tokens=args.prefill,
                       decode_batches=args.batches, decode_contexts=args.contexts, layers=args.layers,
-                      warmup=args.warmup, repeats=args.repeats, checkpoint=write,
+                      tp=args.tp, warmup=args.warmup, repeats=args.repeats, checkpoint=write,
                       progress=lambda line: print(line, file=sys.stderr, flush=True)))  # fmt: skip
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
