@@ -11,12 +11,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ampd.bench.commands import bench_app
 from ampd.planning import ItlRuleOption, PolicyOption, plan_command, simulate_command, trace_app
+from bench.commands import bench_app
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from perfmodel.slo import ItlRule
-from workers.registry import reachable_host
+from surface.registry import reachable_host
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
 worker_app = typer.Typer(help="Run an inference worker.", no_args_is_help=True)
@@ -72,7 +72,7 @@ def worker_sim(
     """The GPU-free engine: vLLM's HTTP surface over a simulated v1 engine core."""
     import uvicorn
 
-    from workers.sim.scheduler import SchedulerConfig
+    from rounds.engine.scheduler import SchedulerConfig
     from workers.sim.server import WorkerConfig, create_app
 
     _check_role(role)
@@ -208,7 +208,7 @@ def gateway(
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
     from pydantic import ValidationError
 
-    from gateway.app import serve
+    from gateway.apis.app import serve
     from gateway.config import GatewayConfig, StaticWorker
 
     static = []
@@ -341,8 +341,8 @@ def workers_list(
     import asyncio
     import time
 
-    from gateway.role_store import RoleStore
-    from workers.registry import heartbeat_client, live_workers
+    from gateway.state.role_store import RoleStore
+    from surface.registry import heartbeat_client, live_workers
 
     async def read():
         redis = heartbeat_client(redis_url)
@@ -378,8 +378,8 @@ def workers_set(
     import asyncio
 
     from gateway.elastic_live import set_role
-    from gateway.roles import ROLES
-    from workers.registry import heartbeat_client, live_workers
+    from rounds.roles import ROLES
+    from surface.registry import heartbeat_client, live_workers
 
     if role not in ROLES:
         raise typer.BadParameter(f"role must be one of {', '.join(ROLES)}")

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gateway.policies import POLICIES
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.slo import DEFAULT_SCALE, ITL_RULES, SLO, ItlRule
+from rounds.policies import POLICIES
 
 ModelOption = Annotated[str, typer.Option(help=f"one of {', '.join(MODELS)}")]
 ProfilesOption = Annotated[list[Path] | None, typer.Option(help="measured profile files instead of derived ones")]
@@ -173,10 +173,10 @@ def simulate_command(
     """Discrete-event simulation of a deployment on the gateway's and the engine's own cores."""
     from pydantic import TypeAdapter
 
-    from gateway.elastic import RolePlan
     from planner.plan import parse_pool
     from planner.role_plan import opening_load
     from planner.simulator import Pool, SimConfig, simulate
+    from rounds.elastic import RolePlan
 
     if policy not in POLICIES:
         raise fail(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")

@@ -1,1 +1,1 @@
-"""The coordinator: OpenAI API, sessions, routing, prefill queues, windowed statistics."""
+"""The live gateway: the APIs, sessions, prefill queues and engines, driving the round core."""

@@ -7,16 +7,17 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.elastic import RolePlan
-from gateway.policies import POLICIES
 from perfmodel.profile import Profile
 from perfmodel.slo import SLO, ItlRule, derived_slo
+from rounds.elastic import RolePlan
+from rounds.policies import POLICIES
+from surface.registry import Role
 from tools_sandbox.registry import TOOLS
-from workers.registry import Role
 
 
 class StaticWorker(BaseModel):
-    """A worker the gateway is told about instead of finding it in the registry."""
+    """A worker the gateway is told about instead of finding it in the registry (it runs no
+    split requests: engines register that they do)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -24,6 +25,9 @@ class StaticWorker(BaseModel):
     role: Role = "both"
     profile: str = Field(default="llama-3.1-8b_h100_tp1", description="shipped profile name or file")
     speed: float = Field(default=1.0, gt=0)
+    splits: bool = Field(
+        default=False, description="prefills a prompt's head alone (split_at), as the GPU-free engine does"
+    )
 
 
 class GatewayConfig(BaseModel):
@@ -62,7 +66,9 @@ class GatewayConfig(BaseModel):
         default=tuple(TOOLS), description="server-side tools requests may enable with `server_tools`"
     )
     migration_limit: int = Field(
-        default=3, ge=0, description="times a round's stream may move off a lost decode worker (gateway.migration)"
+        default=3,
+        ge=0,
+        description="times a round's stream may move off a lost decode worker (gateway.engines.migration)",
     )
     max_tool_rounds: int = Field(default=8, ge=1, description="server tool rounds per request before it stops")
     log_content: bool = Field(

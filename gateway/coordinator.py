@@ -1,9 +1,9 @@
 """The coordinator: one client request (an exchange) from its body to its last round.
 
 The life of an exchange: read its session and the load signals of the workers it could
-use in one round trip (gateway.round_reads) while its prompt is counted (in the gateway
-with the engine's own code where it has it, gateway.tokens, else with the engine's
-``/tokenize``), and bind the session to a decode worker; plan its first round with the
+use in one round trip (gateway.state.round_reads) while its prompt is counted (in the gateway
+with its model's tokenizer and template where it has them, gateway.engines.tokens, else with
+the engine's ``/tokenize``), and bind the session to a decode worker; plan its first round with the
 round core and run it (gateway.rounds); when server-side tools are enabled, run the calls
 the model made on the tools workers and the next round after them (gateway.tool_loop);
 finally remember the conversation the client now holds, and what the engine holds when
@@ -28,26 +28,26 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.driver_info import DriverInfo
 
-from gateway.api import APIError, ChatRequest, check_tool_messages, validation_error
+from gateway.apis.schema import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.config import GatewayConfig
-from gateway.core import RoundCore
 from gateway.elastic_live import ElasticLoop
+from gateway.engines.pool import WorkerPool
+from gateway.engines.tokens import ServedTokenizers
+from gateway.engines.upstream import EngineClient, Reply, UpstreamError
 from gateway.exchange import PUBLIC_SCOPE, Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.outage import RedisHealth
-from gateway.policies import POLICIES
-from gateway.pool import WorkerPool
-from gateway.prefill_queue import PrefillQueues
-from gateway.redis_batch import PackedConnection, RedisBatch
-from gateway.round_reads import RoundReads
 from gateway.rounds import Round, RoundRecorder, RoundRunner
-from gateway.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
-from gateway.stats import WindowedStats
-from gateway.tokens import ServedTokenizers, sim_prompt_tokens
+from gateway.state.outage import RedisHealth
+from gateway.state.prefill_queue import PrefillQueues
+from gateway.state.redis_batch import PackedConnection, RedisBatch
+from gateway.state.round_reads import RoundReads
+from gateway.state.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
+from gateway.state.stats import WindowedStats
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from gateway.tracing import RoundTracer
-from gateway.upstream import EngineClient, Reply, UpstreamError
 from perfmodel.slo import SLO
+from rounds.core import RoundCore
+from rounds.policies import POLICIES
 from tools_sandbox.client import ToolRunner
 from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool
@@ -236,16 +236,13 @@ class Gateway:
         return wanted
 
     async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        """The prompt's length in tokens: counted here with the engine's own code, or its
-        model's tokenizer and template, where the gateway has them (gateway.tokens), else by
+        """The prompt's length in tokens: counted here with its model's tokenizer and
+        template where the gateway has them (gateway.engines.tokens), else by
         the least loaded decode worker. One that is lost (killed since its last scrape) is
         left out of the pool and the next one asked."""
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
-            if self.pool.sim_engine(worker):
-                counted = sim_prompt_tokens(messages, tools)
-            else:
-                counted = self.tokenizers.count(model, worker.info.url, messages, tools)
+            counted = self.tokenizers.count(model, worker.info.url, messages, tools)
             if counted is not None:  # else the engine is asked (where it refuses the prompt, its error is the client's)
                 return counted
             try:

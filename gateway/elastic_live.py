@@ -1,6 +1,6 @@
-"""The elastic controller live: gateway.elastic's decisions, on Redis and the worker pool.
+"""The elastic controller live: rounds.elastic's decisions, on Redis and the worker pool.
 
-One replica at a time - the holder of the leader lease (gateway.role_store) - runs the
+One replica at a time - the holder of the leader lease (gateway.state.role_store) - runs the
 controller: every ``interval_s`` it reads the engines that can change role (registered
 as ``both``) as the controller wants them (role, queued prefill seconds, rounds running,
 KV usage, windowed ITL) and writes the moves it returns; every ``forecast_interval_s``
@@ -19,16 +19,16 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from gateway.core import ITL
-from gateway.elastic import Demand, ElasticConfig, ElasticController, EngineState, RolePlan
+from gateway.engines.pool import LiveWorker, WorkerPool
 from gateway.metrics import GatewayMetrics
-from gateway.outage import REDIS_DOWN
-from gateway.pool import LiveWorker, WorkerPool
-from gateway.prefill_queue import PrefillQueues
-from gateway.role_store import RoleStore
-from gateway.roles import Assignment, Role, busy, initial, move, settle
-from gateway.stats import WindowedStats
+from gateway.state.outage import REDIS_DOWN
+from gateway.state.prefill_queue import PrefillQueues
+from gateway.state.role_store import RoleStore
+from gateway.state.stats import WindowedStats
 from perfmodel.slo import SLO
+from rounds.core import ITL
+from rounds.elastic import Demand, ElasticConfig, ElasticController, EngineState, RolePlan
+from rounds.roles import Assignment, Role, busy, initial, move, settle
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.core import Bound
-from gateway.sessions import Session
+from gateway.state.sessions import Session
 from perfmodel.slo import SLO
+from rounds.core import Bound
 
 log = logging.getLogger(__name__)
 PUBLIC_SCOPE = "public"  # the one scope of a gateway without API keys

@@ -85,7 +85,7 @@ class GatewayMetrics:
         )
         self.requests = Family(Counter("ampd_requests", "Chat completion requests by outcome.", ["status"], registry=r))
         self.prompt_count_checks = Family(Counter(
-            "ampd_prompt_count_checks", "The gateway's prompt counts for vLLM engines, checked against theirs.",
+            "ampd_prompt_count_checks", "The gateway's prompt counts, checked against the engines'.",
             ["result"], registry=r,
         ))  # fmt: skip
         for result in ("equal", "differs"):
@@ -105,8 +105,8 @@ class GatewayMetrics:
             multiprocess_mode="livemin",
         )  # fmt: skip
         self.redis_errors = Family(Counter(
-            "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.outage).", ["what"],
-            registry=r,
+            "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.state.outage).",
+            ["what"], registry=r,
         ))  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
         self.role_moves = Family(Counter(

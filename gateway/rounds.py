@@ -1,11 +1,11 @@
 """Running one round over the engines: the I/O shell around the round core.
 
-The core (gateway.core) decides where a round's prefill runs and what the finished
+The core (rounds.core) decides where a round's prefill runs and what the finished
 round changes; this module does what that takes: it binds the session through the
-worker pool, waits in the routed worker's prefill queue (gateway.prefill_queue, Alg. 2),
+worker pool, waits in the routed worker's prefill queue (gateway.state.prefill_queue, Alg. 2),
 runs vLLM's hand-off (remote: the prefill worker, then the decode worker with the KV
 transfer params; local: the decode worker alone), relays the decode stream while
-measuring it, moves a stream whose decode worker dies (gateway.migration), and writes
+measuring it, moves a stream whose decode worker dies (gateway.engines.migration), and writes
 what the core says the round changed: the session's state, the windowed statistics,
 the round's record and spans.
 """
@@ -21,22 +21,22 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from gateway.api import APIError
-from gateway.core import Bound, Candidate, RoundCore, RoundPlan, RoundRecord, RoundResult, SessionState, Signals
+from gateway.apis.schema import APIError
 from gateway.elastic_live import DemandLog
+from gateway.engines.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
+from gateway.engines.pool import LiveWorker, WorkerPool
+from gateway.engines.upstream import EngineClient, Reply, UpstreamError
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.migration import Continued, Transform, continuation_body, resumable, round_usage, with_tokens_left
-from gateway.outage import REDIS_DOWN, RedisHealth
-from gateway.pool import LiveWorker, WorkerPool
-from gateway.prefill_queue import PrefillQueues, QueueFull
-from gateway.redis_batch import RedisBatch
-from gateway.sessions import SessionStore, round_key, shallow
-from gateway.stats import WindowedStats
+from gateway.state.outage import REDIS_DOWN, RedisHealth
+from gateway.state.prefill_queue import PrefillQueues, QueueFull
+from gateway.state.redis_batch import RedisBatch
+from gateway.state.sessions import SessionStore, round_key, shallow
+from gateway.state.stats import WindowedStats
 from gateway.tool_loop import ClientView
 from gateway.tracing import RoundTimes, RoundTracer
-from gateway.upstream import EngineClient, Reply, UpstreamError
 from perfmodel.slo import Gaps
+from rounds.core import Bound, Candidate, RoundCore, RoundPlan, RoundRecord, RoundResult, SessionState, Signals
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Round:
 
     plan: RoundPlan
     decode: LiveWorker  # the worker decoding it now (another one after a migration)
-    arriving: int = 0  # prompt tokens expected at ``decode``, newly bound (gateway.binding.Arrivals)
+    arriving: int = 0  # prompt tokens expected at ``decode``, newly bound (rounds.binding.Arrivals)
     migrations: int = 0
     times: RoundTimes = field(default_factory=lambda: RoundTimes(time.time()))
     index: int = 1  # its place in the exchange: server tool rounds follow the first
@@ -100,7 +100,7 @@ class RoundRunner:
 
     # -- before the round: binding and the plan -------------------------------------------
     def bind(self, state: SessionState | None, model: str, l_total: int, keeps_history: bool = True) -> Bound:
-        """The session's decode worker (gateway.core.RoundCore.bind); a newly bound one
+        """The session's decode worker (rounds.core.RoundCore.bind); a newly bound one
         expects the round's prompt. ``ValueError``: no decode worker is left."""
         bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history, holders=self.pool.workers)
         if bound.moved:
@@ -125,7 +125,7 @@ class RoundRunner:
     def _candidate(self, worker: LiveWorker) -> Candidate:
         info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
         return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk,
-                         colocates=mixed, splits=self.pool.sim_engine(worker))  # fmt: skip
+                         colocates=mixed, splits=worker.info.splits)  # fmt: skip
 
     # -- the round ----------------------------------------------------------------------
     async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:
@@ -180,7 +180,7 @@ class RoundRunner:
         self, ex: Exchange, r: Round, body: dict[str, Any], request_id: str, reply: Reply, view: ClientView | None
     ) -> AsyncIterator[bytes]:
         """The round's decode stream; when its worker is lost mid-stream, the stream goes on
-        on another decode worker (gateway.migration), up to the migration limit."""
+        on another decode worker (gateway.engines.migration), up to the migration limit."""
         transform: Transform | None = view
         leg, limit = body, self.migration_limit
         while True:

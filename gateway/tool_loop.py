@@ -11,7 +11,7 @@ completion creates an incremental prefill task). The client receives one complet
 * between rounds a chunk with no choices announces the round in ``ampd_tool_round``.
 
 The engine, meanwhile, sees the true conversation - every assistant turn and tool
-result - which the gateway keeps as the session's transcript (gateway.sessions).
+result - which the gateway keeps as the session's transcript (gateway.state.sessions).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from gateway.upstream import Reply
+from gateway.engines.upstream import Reply
 from tools_sandbox.outcome import Outcome
 
 

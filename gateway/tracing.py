@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from gateway.core import RoundRecord
+from rounds.core import RoundRecord
 
 Attributes = Mapping[str, str | int | float | bool]
 

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from gateway.elastic import RolePlan
 from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Profile, load_profile
@@ -43,7 +42,8 @@ from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.split_search import Climb
 from planner.tau_search import Family, Sample, search
 from planner.trace import TraceSession, subsample
-from workers.sim.scheduler import SchedulerConfig
+from rounds.elastic import RolePlan
+from rounds.engine.scheduler import SchedulerConfig
 
 Progress = Callable[[str], None]
 

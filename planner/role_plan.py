@@ -1,6 +1,6 @@
 """The elastic policy's plan: a pool of engines, and its split at each load.
 
-The elastic controller (gateway.elastic) moves engines between the prefill and decode
+The elastic controller (rounds.elastic) moves engines between the prefill and decode
 roles as the forecast load moves. Which split serves a load best depends on the routing
 - AMPD's decode engines prefill incremental rounds themselves, and the ITL rule decides
 whether their stalls are allowed - more than on DOPD's balance of the two phases
@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gateway.elastic import RolePlan, RoleStep
 from perfmodel.slo import SLO, ItlRule
 from planner.plan import ProfileBook
 from planner.simulator import Pool, SimConfig, SimReport
 from planner.trace import TraceSession, respace, rounds_per_session
+from rounds.elastic import RolePlan, RoleStep
 
-STATIC = "ampd-tail"  # how the elastic policy routes within its roles (gateway.policies)
+STATIC = "ampd-tail"  # how the elastic policy routes within its roles (rounds.policies)
 LEVELS = 6  # loads planned when none are given
 
 

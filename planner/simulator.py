@@ -5,12 +5,12 @@ deployment - prefill and decode pools of given TP and DP - over a trace, with ph
 splitting, KV transfer on the alpha-beta model and the runtime routing decision. Here
 it is the live system's own code with the clock and the network taken out:
 
-* every worker is a ``workers.sim.scheduler.Scheduler`` (the GPU-free engine's core:
+* every worker is a ``rounds.engine.scheduler.Scheduler`` (the GPU-free engine's core:
   continuous batching, chunked prefill, paged KV with prefix caching, preemption,
   NixlConnector-style holds and pulls), stepped in virtual time with fused decode steps;
-* every round goes through the gateway's pure core: ``gateway.binding`` for new
-  sessions, ``gateway.policies.route`` (Alg. 1) fed with windowed TTFT/ITL means and
-  queued prefill seconds, and ``gateway.policies.pick`` (Alg. 2) at every dispatch
+* every round goes through the gateway's pure core: ``rounds.binding`` for new
+  sessions, ``rounds.policies.route`` (Alg. 1) fed with windowed TTFT/ITL means and
+  queued prefill seconds, and ``rounds.policies.pick`` (Alg. 2) at every dispatch
   from a worker's prefill queue with its slots - the decisions gateway.queues commits
   to Redis, here kept in memory;
 * the hand-off is vLLM's: the prefill worker computes the whole prompt (less its own
@@ -47,8 +47,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from pydantic import BaseModel, Field
 
-from gateway.binding import Arrivals, DecodeCandidate
-from gateway.core import (
+from perfmodel.profile import Profile, t_kv
+from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
+from planner.trace import TraceSession
+from rounds.binding import Arrivals, DecodeCandidate
+from rounds.core import (
     ITL,
     TTFT_REMOTE,
     Candidate,
@@ -60,17 +63,14 @@ from gateway.core import (
     Signals,
     held_tokens,
 )
-from gateway.elastic import Demand, ElasticController, EngineState, Move, RolePlan
-from gateway.policies import POLICIES, step_target
-from gateway.reordering import QueuedTask
-from gateway.roles import Assignment, Role, busy, counts, settle
-from gateway.roles import move as move_to
-from gateway.stats import WindowedMeans
-from perfmodel.profile import Profile, t_kv
-from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
-from planner.trace import TraceSession
-from workers.sim.request import RemotePrefill, Request
-from workers.sim.scheduler import KVLoad, Scheduler, SchedulerConfig, Step
+from rounds.elastic import Demand, ElasticController, EngineState, Move, RolePlan
+from rounds.engine.request import RemotePrefill, Request
+from rounds.engine.scheduler import KVLoad, Scheduler, SchedulerConfig, Step
+from rounds.policies import POLICIES, step_target
+from rounds.reordering import QueuedTask
+from rounds.roles import Assignment, Role, busy, counts, settle
+from rounds.roles import move as move_to
+from rounds.windowed import WindowedMeans
 
 SCRAPE_INTERVAL_S = 1.0  # the gateway's pool refresh (GatewayConfig.scrape_interval_s)
 _FILLER = list(range(256)) * 512  # token ids to slice from (see Simulation._fresh_tokens)
@@ -107,14 +107,14 @@ class SimConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     decode_prefill_chunk: int = 0  # decode workers' long_prefill_token_threshold (0: no cap)
     initial_prefill: int = 0  # an elastic pool (``decode``, no ``prefill``): engines that start as prefill
-    role_plan: RolePlan | None = None  # an elastic pool's planned split by load (gateway.elastic)
+    role_plan: RolePlan | None = None  # an elastic pool's planned split by load (rounds.elastic)
     max_decode_steps: int = 64  # fused decode steps per event; results do not depend on it
 
 
 # -- the pieces of the live system that hold state, kept in memory -----------------------
 @dataclass
 class PrefillQueue:
-    """One worker's prefill queue and slots (gateway.prefill_queue without Redis)."""
+    """One worker's prefill queue and slots (gateway.state.prefill_queue without Redis)."""
 
     tasks: list[QueuedTask] = field(default_factory=list)
     inflight: int = 0
@@ -125,7 +125,7 @@ class PrefillQueue:
 @dataclass
 class SimWorker:
     worker_id: str
-    assignment: Assignment  # its role (gateway.roles)
+    assignment: Assignment  # its role (rounds.roles)
     profile: Profile
     scheduler: Scheduler
     candidate: Candidate  # the worker as the round core sees it
@@ -140,7 +140,7 @@ class SimWorker:
     remote_prefills: int = 0  # other engines' prefills queued or running here
 
     def busy_with(self) -> set[Role]:
-        """The roles whose work it still has (gateway.roles: what a move leaves draining)."""
+        """The roles whose work it still has (rounds.roles: what a move leaves draining)."""
         return busy(self.remote_prefills > 0, self.decoding > 0)
 
 
@@ -149,7 +149,7 @@ class SimSession:
     trace: TraceSession
     index: int  # the session's number: its token ids are unique to it
     next_round: int = 0
-    state: SessionState | None = None  # the round core's view of it (gateway.core)
+    state: SessionState | None = None  # the round core's view of it (rounds.core)
     tokens: list[int] = field(default_factory=list)  # the conversation so far, as the engine sees it
     next_token: int = 0
 
@@ -170,7 +170,7 @@ class RoundState:
     session: SimSession
     plan: RoundPlan
     output_plan: list[int]
-    arriving: int = 0  # prompt tokens expected at its decode worker, newly bound (gateway.binding.Arrivals)
+    arriving: int = 0  # prompt tokens expected at its decode worker, newly bound (rounds.binding.Arrivals)
     dispatched_at: float = 0.0
     prefill_done_at: float | None = None
     first_token_at: float | None = None
@@ -249,7 +249,7 @@ class SimReport(BaseModel):
     slo_attainment_sessions: float  # sessions all of whose rounds did (by the ITL rule)
     local_share_incremental: float  # incremental prefills run on the decode worker
     local_share: float
-    split_share: float = 0.0  # rounds whose prompt was split between two engines (gateway.split_point)
+    split_share: float = 0.0  # rounds whose prompt was split between two engines (rounds.split_point)
     makespan_s: float
     workers: list[WorkerUsage]
     wall_s: float = 0.0
@@ -349,7 +349,7 @@ class Simulation:
         self._ids = itertools.count()
         self.now = 0.0
         self._next_scrape = 0.0
-        self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (gateway.binding)
+        self.arrivals = Arrivals()  # bound sessions' prompts no scrape shows yet (rounds.binding)
 
     def _worker(self, worker_id: str, role: Role, profile: Profile) -> SimWorker:
         c = self.config
@@ -487,7 +487,7 @@ class Simulation:
         session, task, route = state.session, state.plan.task, state.plan.route
         prompt = session.tokens[: task.l_total]
         request_id = task.task_id
-        if route.kind == "remote":  # the prompt, or a split's first part (gateway.split_point)
+        if route.kind == "remote":  # the prompt, or a split's first part (rounds.split_point)
             prefill = self.workers[route.worker_id]
             alpha = prompt[: held_tokens(task, route)]
             request = Request(request_id, alpha, state.output_plan[:1], 1, self.now, do_remote_decode=True)
@@ -648,7 +648,7 @@ class Simulation:
             session.tokens = []
             self._unfinished -= 1
 
-    # -- the elastic controller (gateway.elastic), on the same events as live --------------
+    # -- the elastic controller (rounds.elastic), on the same events as live --------------
     def _engines(self) -> list[EngineState]:
         now = self.now
         return [

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ampd.local_redis import free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
-from workers.wire import cache_config
+from surface.wire import cache_config
 
 # A read's limit, not a wait: a niced vLLM API server on a loaded two-core machine has
 # taken over 10 s to answer /metrics in CI while its engines' NIXL threads spin.

@@ -18,9 +18,10 @@ import pytest
 import redis
 from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
-from gateway import messages_api, responses_api
-from gateway.api import APIError
-from gateway.sessions import explicit_session_id
+from gateway.apis import messages as messages_api
+from gateway.apis import responses as responses_api
+from gateway.apis.schema import APIError
+from gateway.state.sessions import explicit_session_id
 from tests.engines import kill_group, session_rounds, start_gateway, start_sim_worker, start_tools_worker, stop
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database

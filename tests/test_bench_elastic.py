@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ampd.bench.elastic import POLICY_ORDER, required
+from bench.elastic import POLICY_ORDER, required
 
 
 @pytest.mark.unit

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ampd.bench.overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
-from ampd.bench.relay import relay_argv
 from ampd.local_redis import free_port
 from ampd.processes import Child, wait_healthy
+from bench.overhead import ArmLevel, litellm_config, markdown, overheads, peer_argv
+from bench.relay import relay_argv
 
 
 @pytest.mark.unit
@@ -110,7 +110,7 @@ def test_the_statistics_bench_runs_on_a_redis_of_its_own(tmp_path):
 
 
 def test_the_relay_arm_answers_what_it_cannot_relay():
-    """The bare relay (ampd.bench.relay) serves /health, refuses other paths with a 404, and
+    """The bare relay (bench.relay) serves /health, refuses other paths with a 404, and
     answers a 502 in OpenAI's error shape while its engine cannot be reached."""
     port, dead = free_port(), free_port()
     relay = Child("relay", f"http://127.0.0.1:{port}", subprocess.Popen(relay_argv(port, f"http://127.0.0.1:{dead}")))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ampd.bench.paper import (
+from bench.paper import (
     BASELINES,
     OURS,
     POLICIES,
@@ -20,7 +20,7 @@ from ampd.bench.paper import (
     run_trace,
     winners,
 )
-from ampd.bench.sweep import SweepPoint
+from bench.sweep import SweepPoint
 from planner.plan import ProfileBook
 
 

@@ -7,8 +7,8 @@ import json
 
 from rich.console import Console
 
-from ampd.bench.chaos import FAULTS, run_chaos_bench
-from ampd.bench.load import LoadShape, run_load_bench
+from bench.chaos import FAULTS, run_chaos_bench
+from bench.load import LoadShape, run_load_bench
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from ampd.bench.replay import LiveRound, with_gateway_tails
 from ampd.local_redis import free_port
+from bench.replay import LiveRound, with_gateway_tails
 from planner.trace import WORKLOADS, generate, respace, write_trace
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

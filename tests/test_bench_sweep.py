@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ampd.bench.sweep import sweep
+from bench.sweep import sweep
 from planner.plan import ProfileBook
 from planner.simulator import Pool
 from planner.trace import WORKLOADS

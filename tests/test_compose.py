@@ -16,10 +16,10 @@ import yaml
 
 from ampd.cli import app
 from gateway.config import GatewayConfig
-from gateway.elastic import RolePlan, RoleStep
 from gateway.metrics import GatewayMetrics
 from perfmodel.profile import load_profile
 from planner.plan import DeploymentFile, PhaseDeployment
+from rounds.elastic import RolePlan, RoleStep
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.binding import DecodeCandidate
-from gateway.core import RoundCore, SessionState
-from gateway.elastic import (
+from perfmodel.profile import load_profile
+from perfmodel.slo import SLO
+from planner.trace import SHAPES, WORKLOADS, Shape, generate_shaped
+from rounds.binding import DecodeCandidate
+from rounds.core import RoundCore, SessionState
+from rounds.elastic import (
     Demand,
     ElasticConfig,
     ElasticController,
@@ -17,11 +20,8 @@ from gateway.elastic import (
     balanced_split,
     forecast,
 )
-from gateway.policies import POLICIES
-from gateway.roles import Assignment, move, settle
-from perfmodel.profile import load_profile
-from perfmodel.slo import SLO
-from planner.trace import SHAPES, WORKLOADS, Shape, generate_shaped
+from rounds.policies import POLICIES
+from rounds.roles import Assignment, move, settle
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The gateway's own HTTP/1.1 connections for decode streams (gateway.engine_connections),
+"""The gateway's own HTTP/1.1 connections for decode streams (gateway.engines.connections),
 against a real HTTP server in a subprocess (aiohttp's) that can stream, cut a stream,
 answer an error, stall, hang up on a request, and say which connections it has seen, which
 requests it saw end early and which it hung up on."""
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ampd.local_redis import free_port
-from gateway.engine_connections import EngineConnections, Lost, TimedOut
+from gateway.engines.connections import EngineConnections, Lost, TimedOut
 
 SERVER = r"""
 import asyncio, sys

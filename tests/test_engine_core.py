@@ -7,9 +7,9 @@ import random
 import pytest
 
 from perfmodel.profile import load_profile
-from workers.sim.kv_cache import KVCache, salt_hash
-from workers.sim.request import RemotePrefill, Request, RequestStatus
-from workers.sim.scheduler import Scheduler, SchedulerConfig, Step
+from rounds.engine.kv_cache import KVCache, salt_hash
+from rounds.engine.request import RemotePrefill, Request, RequestStatus
+from rounds.engine.scheduler import Scheduler, SchedulerConfig, Step
 from workers.sim.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.unit

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
+from surface.wire import PREFILL_PARAMS
 from tests.engines import Engine, sse_events
-from workers.wire import PREFILL_PARAMS
 
 WEATHER = {
     "type": "function",
@@ -235,7 +235,7 @@ def test_any_role_the_template_renders_is_accepted(engine: Engine):
 
 
 def test_a_final_assistant_message_is_continued(engine: Engine):
-    """``continue_final_message`` (what request migration sends: gateway.migration): the
+    """``continue_final_message`` (what request migration sends: gateway.engines.migration): the
     prompt is the round's prompt followed by the text so far, and generation goes on from
     it. Both it and ``add_generation_prompt`` at once is the chat template's error, a 400."""
     partial = "The weather in Paris is"

@@ -18,8 +18,9 @@ import redis
 
 from ampd.local_redis import free_port
 from ampd.processes import process_tree
-from gateway.tokens import sim_prompt_tokens
+from gateway.engines.model_tokenizer import ModelTokenizer
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
+from surface.registry import tokenizer_key
 from tests.engines import Engine, process_running, sse_events, start_gateway, start_sim_worker, stop
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no network at import
@@ -304,28 +305,44 @@ def test_streaming_passes_usage_only_when_asked(stack):
 
 
 def test_prompts_are_counted_in_the_gateway_as_the_engine_counts_them(stack):
-    """The gateway counts the GPU-free engine's prompts itself (gateway.tokens): the count
-    must be the engine's own ``/tokenize`` count, for every shape a chat prompt takes."""
+    """The GPU-free engines publish their tokenizer and chat template as a vLLM supervisor
+    publishes a model's; the gateway counts prompts with them (gateway.engines.tokens) and
+    checks its first counts against the engine's ``/tokenize``: for every shape a chat prompt
+    takes, the count is the engine's own, and no check differs."""
     call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q": "kv  cache"}'}}
     conversations = [
         ([{"role": "user", "content": "hello"}], None),
         ([{"role": "system", "content": "Be brief.\n\n  Really."}, {"role": "user", "content": "Why? " * 50}],
          [SEARCH]),
-        ([{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": None},
-                                       {"type": "text", "text": "two"}]},  # a null text skipped, as vLLM does
+        ([{"role": "user", "content": [{"type": "text", "text": "part one, "}, {"type": "text", "text": "two"}]},
           {"role": "assistant", "content": None, "tool_calls": [call]},
           {"role": "tool", "tool_call_id": "call_1", "content": "found: 3 results\t(ok)"},
           {"role": "assistant", "content": "Done_now <|end|> ok"}, {"role": "user", "content": "ünïcode 東京 1.5e3"}],
          [SEARCH]),
     ]  # fmt: skip
+    published = stack.redis.get(tokenizer_key(stack.prefix, MODEL))
+    assert published is not None, "the engines published no tokenizer files"
+    counter = ModelTokenizer(json.loads(published))
     for messages, tools in conversations:
         asked = {"model": MODEL, "messages": messages, **({"tools": tools} if tools else {})}
         engine = httpx.post(f"{stack.decode.url}/tokenize", json=asked, timeout=30).json()["count"]
-        assert sim_prompt_tokens(messages, tools) == engine
+        assert counter.count(messages, tools) == engine
         reply = httpx.post(f"{stack.url}/v1/chat/completions", json={**asked, "max_tokens": 2}, timeout=30).json()
-        assert reply["usage"]["prompt_tokens"] == engine
-    # A prompt the engine refuses is not counted here: the engine's words reach the client.
-    assert sim_prompt_tokens([], None) is None
+        assert reply.get("usage", {}).get("prompt_tokens") == engine, reply
+
+    def checked() -> dict[str, float]:
+        lines = httpx.get(f"{stack.url}/metrics").text.splitlines()
+        series = {r: f'ampd_prompt_count_checks_total{{result="{r}"}}' for r in ("equal", "differs")}
+        return {r: next(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+                for r, name in series.items()}  # fmt: skip
+
+    # The gateway loads the files off the first round's path, then counts and checks: wait for its checks.
+    deadline = time.monotonic() + 60
+    while checked()["equal"] == 0 and time.monotonic() < deadline:
+        httpx.post(f"{stack.url}/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                   "messages": [{"role": "user", "content": f"count me {time.monotonic()}"}]}, timeout=30)  # fmt: skip
+        time.sleep(0.2)
+    assert checked()["equal"] > 0 and checked()["differs"] == 0
 
 
 def test_a_retried_request_is_recorded_once(stack):

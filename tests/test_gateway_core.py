@@ -7,12 +7,21 @@ import random
 
 import pytest
 
-from gateway.binding import Arrivals, DecodeCandidate, choose_decode_worker
-from gateway.conditional_disagg import ConditionalDisagg
-from gateway.core import Bound, Candidate, Observation, RoundCore, RoundPlan, RoundResult, SessionState, Signals
-from gateway.policies import POLICIES, pick, route
-from gateway.reordering import QueuedTask, postponed_by, reorder, satisfied
-from gateway.routing import (
+from gateway.state.sessions import (
+    Session,
+    canonical_message,
+    continues,
+    conversation_hashes,
+    explicit_session_id,
+)
+from perfmodel.profile import load_profile, t_kv
+from perfmodel.slo import ITL_RULES, SLO, Gaps
+from rounds.binding import Arrivals, DecodeCandidate, choose_decode_worker
+from rounds.conditional_disagg import ConditionalDisagg
+from rounds.core import Bound, Candidate, Observation, RoundCore, RoundPlan, RoundResult, SessionState, Signals
+from rounds.policies import POLICIES, pick, route
+from rounds.reordering import QueuedTask, postponed_by, reorder, satisfied
+from rounds.routing import (
     PrefillTask,
     Route,
     RouteContext,
@@ -22,16 +31,7 @@ from gateway.routing import (
     remote_cost,
     tail_aware_route,
 )
-from gateway.sessions import (
-    Session,
-    canonical_message,
-    continues,
-    conversation_hashes,
-    explicit_session_id,
-)
-from gateway.uncached_threshold import UncachedThreshold
-from perfmodel.profile import load_profile, t_kv
-from perfmodel.slo import ITL_RULES, SLO, Gaps
+from rounds.uncached_threshold import UncachedThreshold
 
 pytestmark = pytest.mark.unit
 

@@ -16,18 +16,18 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn_gateway, wait_healthy
-from gateway.core import RoundCore, SessionState
-from gateway.leases import LEASE_S
 from gateway.metrics import GatewayMetrics
-from gateway.outage import REDIS_DOWN, RedisHealth
-from gateway.policies import POLICIES
-from gateway.prefill_queue import PrefillQueues
-from gateway.redis_batch import RedisBatch
-from gateway.replicas import ALIVE_S, RECONCILE_S
-from gateway.round_reads import RoundReads
-from gateway.routing import PrefillTask
-from gateway.sessions import Session, SessionStore, conversation_hashes, new_session
-from gateway.stats import WindowedStats
+from gateway.state.leases import LEASE_S
+from gateway.state.outage import REDIS_DOWN, RedisHealth
+from gateway.state.prefill_queue import PrefillQueues
+from gateway.state.redis_batch import RedisBatch
+from gateway.state.replicas import ALIVE_S, RECONCILE_S
+from gateway.state.round_reads import RoundReads
+from gateway.state.sessions import Session, SessionStore, conversation_hashes, new_session
+from gateway.state.stats import WindowedStats
+from rounds.core import RoundCore, SessionState
+from rounds.policies import POLICIES
+from rounds.routing import PrefillTask
 from tests.engines import start_gateway, start_sim_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
 
@@ -81,7 +81,7 @@ def test_binding_survives_a_gateway_restart_and_moves_off_a_dead_worker(tmp_path
             time.sleep(0.3)
         assert response.status_code == 200
         # The worker the round ran on. The gateway counts the GPU-free engine's prompts itself
-        # (gateway.tokens), so a worker that died since the last scrape is found when the
+        # (gateway.engines.tokens), so a worker that died since the last scrape is found when the
         # round's stream connects, and the round moves before its first token: X-AMPD-Route
         # names the worker as decided, X-AMPD-Decode-Worker the one that answered.
         moved = response.headers["x-ampd-decode-worker"]
@@ -139,7 +139,7 @@ def test_a_full_prefill_queue_answers_429(tmp_path):
 def test_a_dispatch_notice_lost_while_unsubscribed_does_not_strand_its_task():
     """Replica B dispatches replica A's queued task while A's notice subscription is
     down (Redis dropped it): the notice is lost, and A still starts the task because it
-    looks its waiting tasks up now and then (gateway.replicas.Replicas.reconcile)."""
+    looks its waiting tasks up now and then (gateway.state.replicas.Replicas.reconcile)."""
 
     prefix = f"notice-{uuid.uuid4().hex[:8]}"
 
@@ -207,7 +207,7 @@ def test_queued_tasks_of_a_dead_replica_do_not_hold_the_slot():
 def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_on_its_copy():
     """A client's round reads its session (inferred from its conversation, or by the id it
     gave), the session's transcript and the workers' load signals in one Redis command
-    (gateway.scripts.OPEN), seen with MONITOR; the session is saved, and a prefill's slot
+    (gateway.state.scripts.OPEN), seen with MONITOR; the session is saved, and a prefill's slot
     freed, in one command each. Where Redis lost them (restarted empty), or cannot be
     reached, the replica's own copy of what it wrote last answers instead."""
 
@@ -293,14 +293,14 @@ def test_a_round_reads_its_session_and_signals_in_one_round_trip_and_falls_back_
 
 
 def test_windowed_means_in_redis_are_running_sums_that_match_the_simulators():
-    """The windowed TTFT/ITL means every round reads (gateway.scripts: ``_WINDOW``): random
-    observations and reads in time order give the simulator's in-memory means (gateway.stats.
+    """The windowed TTFT/ITL means every round reads (gateway.state.scripts: ``_WINDOW``): random
+    observations and reads in time order give the simulator's in-memory means (rounds.windowed.
     WindowedMeans) to 1e-9; a read costs Redis one hash read per (series, worker) whatever
     the window's length (seen with MONITOR); an observation older than the window a reader
     moved to is dropped; a window left idle empties and its key goes away."""
-    from gateway import scripts
-    from gateway.core import ITL, TTFT_REMOTE, Observation
-    from gateway.stats import WindowedMeans
+    from gateway.state import scripts
+    from rounds.core import ITL, TTFT_REMOTE, Observation
+    from rounds.windowed import WindowedMeans
 
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
     rng = random.Random(7)

@@ -34,11 +34,11 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK
 
 from ampd.local_redis import free_port  # noqa: E402
 from ampd.processes import tools_worker_ready  # noqa: E402
-from gateway.elastic import RolePlan, RoleStep  # noqa: E402
-from gateway.policies import POLICIES  # noqa: E402
 from perfmodel.catalog import MODELS  # noqa: E402
 from perfmodel.profile import Profile, load_profile  # noqa: E402
 from planner.plan import HELM_PROFILE_DIR, DeploymentFile, PhaseDeployment, role_plan_json  # noqa: E402
+from rounds.elastic import RolePlan, RoleStep  # noqa: E402
+from rounds.policies import POLICIES  # noqa: E402
 from tests.test_compose import parse_ampd  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
-"""The gateway's count of a vLLM engine's prompts (gateway.model_tokenizer), the files its
+"""The gateway's count of a vLLM engine's prompts (gateway.engines.model_tokenizer), the files its
 supervisor publishes for it (workers.vllm.tokenizer_files), and the check that takes a
-model whose count differs back to its engine (gateway.tokens.ServedTokenizers).
+model whose count differs back to its engine (gateway.engines.tokens.ServedTokenizers).
 
 The count against vLLM's own ``/tokenize`` is in tests/test_vllm.py.
 """
@@ -19,13 +19,13 @@ from huggingface_hub import constants
 from prometheus_client import CollectorRegistry, Counter
 from tokenizers import Tokenizer
 
+from gateway.engines.model_tokenizer import ModelTokenizer, _environment, _message, _tool
+from gateway.engines.tokens import ServedTokenizers
+from gateway.engines.upstream import EngineClient
 from gateway.metrics import Family
-from gateway.model_tokenizer import ModelTokenizer, _environment, _message, _tool
-from gateway.tokens import ServedTokenizers
-from gateway.upstream import EngineClient
+from surface.registry import tokenizer_key
 from tests import conversations
 from tests.engines import start_sim_worker, stop
-from workers.registry import tokenizer_key
 from workers.vllm import tiny_model, tokenizer_files
 from workers.vllm.launch import VllmLaunch
 

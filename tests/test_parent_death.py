@@ -1,4 +1,4 @@
-"""A child that asked for the parent-death signal (workers.parent_death) ends when its
+"""A child that asked for the parent-death signal (surface.parent_death) ends when its
 parent is killed hard; one that did not, in a session of its own, outlives it - what a
 vLLM engine did when its supervisor was SIGKILLed by a test's teardown deadline."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # starts vLLM), asking for SIGTERM on its death or not, and prints the child's pid.
 PARENT = """
 import functools, os, signal, subprocess, sys
-from workers.parent_death import end_with_parent
+from surface.parent_death import end_with_parent
 hook = functools.partial(end_with_parent, signal.SIGTERM, os.getpid()) if sys.argv[1] == "ask" else None
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
                          preexec_fn=hook)

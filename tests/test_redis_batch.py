@@ -1,4 +1,4 @@
-"""The request path's Redis commands, batched (gateway.redis_batch), against a real Redis."""
+"""The request path's Redis commands, batched (gateway.state.redis_batch), against a real Redis."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import DataError, ResponseError
 
 from ampd.local_redis import free_port
-from gateway.outage import REDIS_DOWN
-from gateway.redis_batch import PackedConnection, RedisBatch
+from gateway.state.outage import REDIS_DOWN
+from gateway.state.redis_batch import PackedConnection, RedisBatch
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 

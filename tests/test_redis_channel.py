@@ -1,4 +1,4 @@
-"""The request path's own connection to Redis (gateway.redis_channel), against real Redis
+"""The request path's own connection to Redis (gateway.state.redis_channel), against real Redis
 servers: the replies redis-py gives, and the connection opened as redis-py opens it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError, DataError
 
 from ampd.local_redis import answers, free_port, server_binary, start_private_redis
-from gateway.redis_channel import Command, RedisChannel
+from gateway.state.redis_channel import Command, RedisChannel
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 
@@ -158,7 +158,7 @@ def test_the_connection_is_opened_as_the_url_says(guarded):
 
 def test_redis_restarted_between_commands_costs_no_command_and_redis_away_is_an_outage(tmp_path):
     """The connection Redis dropped in a restart is opened again at the next command, which
-    runs once; with Redis gone, a ``ConnectionError`` (the gateway's outage, gateway.outage)."""
+    runs once; with Redis gone, a ``ConnectionError`` (the gateway's outage, gateway.state.outage)."""
     binary = server_binary()
     assert binary is not None
     port = free_port()

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port, server_binary, start_private_redis
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
-from workers.registry import Registration, WorkerInfo, heartbeat_client, live_workers
+from surface.registry import Registration, WorkerInfo, heartbeat_client, live_workers
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
@@ -91,13 +91,13 @@ def test_heartbeats_outlast_a_redis_restart_and_a_stall(tmp_path: Path):
         return back_after, frozen, stopped_after
 
     handler = Failures(logging.WARNING)
-    logging.getLogger("workers.registry").addHandler(handler)
+    logging.getLogger("surface.registry").addHandler(handler)
     try:
         # Bounded, so that a hang (seen once in a full run, never alone) fails with the
         # traceback of the await it hung in rather than pytest-timeout's idle event loop.
         back_after, frozen, stopped_after = asyncio.run(asyncio.wait_for(scenario(), 60))
     finally:
-        logging.getLogger("workers.registry").removeHandler(handler)
+        logging.getLogger("surface.registry").removeHandler(handler)
         os.kill(server.process.pid, signal.SIGCONT)
         server.stop()
     assert back_after < ttl_s / 3 + 0.5

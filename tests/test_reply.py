@@ -1,10 +1,10 @@
-"""gateway.upstream.Reply: a streamed completion's timing, per token."""
+"""gateway.engines.upstream.Reply: a streamed completion's timing, per token."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.upstream import Reply
+from gateway.engines.upstream import Reply
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,7 @@ from perfmodel.profile import load_profile
 from perfmodel.slo import derived_slo
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import WORKLOADS, Shape, TraceSession, generate, generate_shaped
-from workers.sim.scheduler import SchedulerConfig
+from rounds.engine.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).parent / "data" / "sim_results.json"
 TOLERANCE = 1e-9

@@ -18,9 +18,13 @@ import openai
 import pytest
 import redis
 
-from ampd.bench.split import ARMS
-from gateway.routing import PrefillTask, RouteContext, WorkerView
-from gateway.split_point import (
+from bench.split import ARMS
+from perfmodel.profile import load_profile
+from perfmodel.slo import SLO
+from rounds.engine.request import RemotePrefill, Request
+from rounds.engine.scheduler import Scheduler, SchedulerConfig
+from rounds.routing import PrefillTask, RouteContext, WorkerView
+from rounds.split_point import (
     alg1_route,
     alpha_time,
     balance_point,
@@ -30,13 +34,9 @@ from gateway.split_point import (
     recompute_time,
     split_route,
 )
-from perfmodel.profile import load_profile
-from perfmodel.slo import SLO
+from surface.wire import prefill_params
 from tests.engines import Engine, session_rounds, start_gateway, start_sim_worker, stop
 from tests.test_engine_protocol import chat
-from workers.sim.request import RemotePrefill, Request
-from workers.sim.scheduler import Scheduler, SchedulerConfig
-from workers.wire import prefill_params
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 PROFILE = load_profile("llama-3.1-70b_h20_tp4")

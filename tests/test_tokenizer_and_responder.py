@@ -8,7 +8,7 @@ import random
 import pytest
 
 from workers.sim.responder import Length, Responder, ScriptError, SimScript
-from workers.sim.tokenizer import EOS_ID, Tokenizer, render_chat
+from workers.sim.tokenizer import EOS_ID, Tokenizer, files, render_chat
 
 pytestmark = pytest.mark.unit
 
@@ -126,14 +126,34 @@ def test_ignore_eos_generates_exactly_max_tokens():
     assert len(reply.token_ids) == 50 and EOS_ID not in reply.token_ids
 
 
-def test_the_gateway_counts_a_prompt_message_by_message_as_the_engine_counts_it_whole():
-    """gateway.tokens counts each message (and the tools) once and sums: equal to the
-    engine's ``/tokenize`` path over the whole prompt (its request model, template and
-    tokenizer) for random conversations - special tokens, odd whitespace, content parts,
-    tool calls - and None wherever the engine refuses the request."""
+def test_the_published_files_split_text_where_the_engine_does():
+    """The tokenizer.json the engine publishes (workers.sim.tokenizer.files), run by the
+    ``tokenizers`` library, counts exactly the engine's pieces of any text: ASCII, every
+    Unicode category (marks, numbers, symbols, separators, emoji), special tokens."""
+    import unicodedata
+
+    from tokenizers import Tokenizer as Files
+
+    counter = Files.from_str(files()["tokenizer"])
+    rng = random.Random(2)
+    pool = [chr(c) for c in range(0x2FFFF) if unicodedata.category(chr(c)) != "Cs"]
+    common = [*"ab Z09_-!?.,;:\n\t\r  ", "<|end|>", "<tool_call>", "</tool_call>", "<|start|>", "  \n", "a_b"]
+    for _ in range(5000):
+        text = "".join(
+            rng.choice(pool) if rng.random() < 0.4 else rng.choice(common) for _ in range(rng.randint(0, 30))
+        )
+        assert len(counter.encode(text, add_special_tokens=False).ids) == len(tok.pieces(text)), repr(text)
+
+
+def test_a_gateway_counts_a_prompt_with_the_published_files_as_the_engine_counts_it():
+    """A gateway counts with the published tokenizer and chat template as it counts a vLLM
+    model's (gateway.engines.model_tokenizer: message by message, vLLM's preprocessing, the
+    Jinja template): equal to the engine's ``/tokenize`` path over the whole prompt (its
+    request model, template and tokenizer) for random conversations - special tokens, odd
+    whitespace, content parts, tool calls - wherever both count."""
     from pydantic import ValidationError
 
-    from gateway.tokens import sim_prompt_tokens
+    from gateway.engines.model_tokenizer import ModelTokenizer
     from workers.sim.protocol import EngineError, TokenizeChatRequest, message_dicts
 
     def engine(messages: list, tools: list | None) -> int | None:
@@ -146,7 +166,8 @@ def test_the_gateway_counts_a_prompt_message_by_message_as_the_engine_counts_it_
         return len(Tokenizer(1 << 16).pieces(text))
 
     rng = random.Random(3)
-    words = ["hi", " there", "\n\n", "  ", "<|end|>", "<tool_call>", "東京", "1.5e3", "a_b", "\t", "!", "x" * 40]
+    words = ["hi", " there", "\n\n", "  ", "<|end|>", "<tool_call>", "東京", "1.5e3", "a_b", "\t", "!", "x" * 40,
+             "e\u0301", "😀", "\x1c"]  # fmt: skip
 
     def text() -> str:
         return "".join(rng.choice(words) for _ in range(rng.randint(0, 12)))
@@ -156,23 +177,29 @@ def test_the_gateway_counts_a_prompt_message_by_message_as_the_engine_counts_it_
         m: dict = {"role": role, "content": text()}
         shape = rng.random()
         if shape < 0.15:
-            m["content"] = [{"type": "text", "text": text()}, {"type": "text", "text": None}]
+            m["content"] = [{"type": "text", "text": text()}, {"type": "text", "text": text()}]
         elif shape < 0.2:
             m["content"] = [{"text": text()}]  # no type: the engine refuses it
         elif shape < 0.25:
             m["role"] = 7  # not a string: refused
         if role == "assistant" and rng.random() < 0.4:
-            arguments = rng.choice(['{"q": "kv  cache"}', {"city": text()}, "not json"])
+            arguments = rng.choice(['{"q": "kv  cache"}', {"city": text()}, "not json", "", "[1]"])
             m["tool_calls"] = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]
         return m
 
     tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
-    refused = 0
-    for _ in range(400):
+    described = {"type": "function", "function": {"name": "s2", "description": "Find ünï", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}  # fmt: skip
+    counter = ModelTokenizer(files())
+    both = 0
+    for _ in range(600):
         messages = [message() for _ in range(rng.randint(0, 6))]
-        tools = rng.choice([None, [], [tool], [{"type": "function", "function": {"name": ""}}]])
-        expected = engine(messages, tools)
-        refused += expected is None
-        assert sim_prompt_tokens(messages, tools) == expected, (messages, tools)
-        assert sim_prompt_tokens(messages, tools) == expected  # and again, from what it remembered
-    assert 0 < refused < 400
+        tools = rng.choice([None, [], [tool], [tool, described]])
+        expected, counted = engine(messages, tools), counter.count(messages, tools)
+        if expected is not None and counted is not None:
+            both += 1
+            assert counted == expected, (messages, tools)
+            assert counter.count(messages, tools) == expected  # and again, from what it remembered
+    assert both > 100
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert counter.count(plain, [tool]) == engine(plain, [tool])  # the common shapes are counted, not refused

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ampd.local_redis import free_port
-from gateway.app import create_app
+from gateway.apis.app import create_app
 from gateway.config import GatewayConfig
 from tests.engines import start_sim_worker, stop
 

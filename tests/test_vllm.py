@@ -31,11 +31,11 @@ import redis.asyncio as aioredis
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn
-from gateway.model_tokenizer import ModelTokenizer
+from gateway.engines.model_tokenizer import ModelTokenizer
+from surface.registry import WorkerInfo, live_workers, tokenizer_key
 from tests import conversations
 from tests import test_engine_protocol as protocol
 from tests.engines import METRICS_TIMEOUT_S, Engine, start_gateway
-from workers.registry import WorkerInfo, live_workers, tokenizer_key
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ROOT = Path(__file__).resolve().parent.parent
@@ -322,7 +322,7 @@ def test_a_tool_session_through_the_gateway_hands_kv_over_with_nixl(vllm, gatewa
 
 def test_the_gateway_counts_prompts_as_vllm_does(vllm, gateways):
     """With the tokenizer files the supervisor published, the gateway's count
-    (gateway.model_tokenizer) is vLLM's own ``/tokenize`` count for random agent
+    (gateway.engines.model_tokenizer) is vLLM's own ``/tokenize`` count for random agent
     conversations (tests/conversations.py) - under the model's template, which loops over
     content parts, and under two that read content as a string (given in the request) -
     and the gateway over vLLM counts its prompts itself: every count it checked against

@@ -58,7 +58,7 @@ from planner.profiler.samples import (
     PrefillSample,
     TransferSample,
 )
-from workers import wire
+from surface import wire
 
 Progress = Callable[[str], None]
 

@@ -1,6 +1,6 @@
 """The real-time shell around the engine core: steps it on the wall clock, streams out.
 
-The scheduler (workers.sim.scheduler) decides each step and its modelled duration;
+The scheduler (rounds.engine.scheduler) decides each step and its modelled duration;
 this loop waits that duration divided by ``speed`` and hands each request its new
 tokens. Deadlines are absolute, so the small cost of Python between steps does not
 accumulate into the inter-token latency; when the loop falls behind by more than
@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 
 from perfmodel.profile import Profile, t_kv
+from rounds.engine.request import Request
+from rounds.engine.scheduler import KVLoad, RequestOutput, Scheduler
 from workers.sim.kv_transfer import KVSideChannel, TransferError
 from workers.sim.metrics import EngineMetrics
-from workers.sim.request import Request
-from workers.sim.scheduler import KVLoad, RequestOutput, Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from workers import wire
-from workers.sim.scheduler import Scheduler
+from rounds.engine.scheduler import Scheduler
+from surface import wire
 
 LABELS = ("model_name", "engine")
 

@@ -318,7 +318,10 @@ class Responder:
         default = 1 if calls else self.default_output_tokens
         total = max(output_tokens or default, length.min_tokens + 1)
         tool_calls = tuple(
-            ToolCall(id=f"chatcmpl-tool-{rng.getrandbits(64):016x}", name=n, arguments=json.dumps(a)) for n, a in calls
+            ToolCall(
+                id=f"chatcmpl-tool-{rng.getrandbits(64):016x}", name=n, arguments=json.dumps(a, ensure_ascii=False)
+            )
+            for n, a in calls
         )
         call_text = "".join(render_tool_call(n, a) for n, a in calls)
         call_pieces = self.tokenizer.pieces(call_text)

@@ -24,18 +24,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from perfmodel.profile import Profile
-from workers.registry import Registration, Role, WorkerInfo, heartbeat_client
+from rounds.engine.kv_cache import salt_hash
+from rounds.engine.request import RemotePrefill
+from rounds.engine.request import Request as EngineRequest
+from rounds.engine.scheduler import Scheduler, SchedulerConfig
+from surface.registry import Registration, Role, WorkerInfo, heartbeat_client, publish_tokenizer
+from surface.wire import PULL_FIELDS, SPLIT_AT, pull_params
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream, StreamEvent
-from workers.sim.kv_cache import salt_hash
 from workers.sim.kv_transfer import KVSideChannel
 from workers.sim.metrics import EngineMetrics
-from workers.sim.request import RemotePrefill
-from workers.sim.request import Request as EngineRequest
 from workers.sim.responder import Length, Reply, Responder, ScriptError
-from workers.sim.scheduler import Scheduler, SchedulerConfig
 from workers.sim.tokenizer import BOS, Tokenizer, render_chat
-from workers.wire import PULL_FIELDS, SPLIT_AT, pull_params
+from workers.sim.tokenizer import files as tokenizer_files
 
 # vLLM bounds characters per token by its vocabulary's longest token; the sim's pieces
 # are words of any length, so it takes a bound real text stays far below.
@@ -56,7 +57,7 @@ class WorkerConfig:
     enable_prompt_tokens_details: bool = False
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    redis_url: str | None = None  # register in this Redis and heartbeat (workers.registry)
+    redis_url: str | None = None  # register in this Redis and heartbeat (surface.registry)
     redis_prefix: str = "ampd"
 
     @property
@@ -174,7 +175,7 @@ class SimWorker:
 
     def split_prompt(self, params: dict[str, Any] | None, prompt_ids: list[int]) -> list[int]:
         """The prompt a prefill-only request computes: the whole, or its first ``split_at``
-        tokens (workers.wire.SPLIT_AT) - whole blocks, as the decode engine pulls them."""
+        tokens (surface.wire.SPLIT_AT) - whole blocks, as the decode engine pulls them."""
         if not params or not params.get("do_remote_decode") or params.get(SPLIT_AT) is None:
             return prompt_ids
         split_at, block = params[SPLIT_AT], self.config.scheduler.block_size
@@ -388,7 +389,8 @@ def create_app(config: WorkerConfig) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _registered(w: SimWorker) -> AsyncIterator[None]:
-    """Heartbeat into the worker registry while serving, if a Redis is configured."""
+    """Heartbeat into the worker registry while serving, if a Redis is configured, its
+    tokenizer and chat template published first, as vLLM's supervisor publishes a model's."""
     config = w.config
     if config.redis_url is None:
         yield
@@ -403,7 +405,9 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
         speed=config.speed,
         kv_capacity_tokens=w.scheduler.kv.num_blocks * w.scheduler.kv.block_size,
         prefill_chunk=config.scheduler.long_prefill_token_threshold,
+        splits=True,
     )
+    await publish_tokenizer(redis, config.redis_prefix, config.model_name, tokenizer_files())
     beat = asyncio.create_task(Registration(redis, config.redis_prefix, info).run())
     try:
         yield

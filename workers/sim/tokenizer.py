@@ -9,13 +9,27 @@ Two properties matter more than realism:
   k+1 starts with the prompt of round k followed by the tokens generated in round k.
   That is what makes prefix caching (and incremental prefill) work across rounds.
 * **Stable ids.** A token's id is a hash of its text, the same in every process.
+
+**Published as a model's files.** The engine publishes a ``tokenizer.json`` and a chat
+template (:func:`files`) the way vLLM's supervisor publishes a served model's
+(workers.vllm.tokenizer_files), so a gateway counts this engine's prompts as it counts
+any vLLM model's, with the ``tokenizers`` library and a Jinja template, and needs none
+of this engine's code. The ``tokenizer.json`` splits exactly where :meth:`Tokenizer.pieces`
+does: one pattern, written with explicit character classes (:func:`_classes`) rather
+than ``\s`` and ``\w``, whose meanings differ between Python's ``re`` and the
+Oniguruma engine inside ``tokenizers``; its vocabulary is empty (every piece one unknown
+token), since a count needs no ids. :data:`CHAT_TEMPLATE` renders what :func:`render_chat`
+renders from a conversation as vLLM hands it to a template.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
+import sys
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,11 +43,67 @@ SPECIAL_IDS = {text: i + 1 for i, text in enumerate(SPECIAL_TOKENS)}
 EOS_ID = SPECIAL_IDS[END]
 _FIRST_ORDINARY_ID = 256
 _MAX_REMEMBERED = 1 << 20
+_BMP_END = 0xFFFF
 
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
-# GPT-2 style pieces: an optional leading space and a word, a punctuation run, or
-# whitespace that is not immediately followed by a word (so " word" stays whole).
-_PIECES = re.compile(r" ?[^\W_]+| ?[^\s\w]+| ?_+|\s+(?!\S)|\s+")
+
+# The chat template as a model ships it (transformers' environment: trim_blocks and
+# lstrip_blocks, so every newline of the prompt is a string literal here).
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}{{ '<|start|>tools\\n' }}{{ tools | tojson(sort_keys=True) }}{{ '<|end|>\\n' }}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{ '<tool_call>' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+@functools.cache
+def _classes() -> tuple[str, str]:
+    """Bracket-expression bodies for word characters and for whitespace, as literal
+    ranges, which mean the same to Python's ``re`` and to Oniguruma: whitespace is what
+    ``str.isspace`` calls it; a word character is a letter, mark or number of the Basic
+    Multilingual Plane, or any code point beyond it (emoji and rare scripts alike; one
+    range there keeps ``re``'s class a fast bitmap)."""
+    word, space = [], []
+    for code in range(_BMP_END + 1):
+        ch = chr(code)
+        if ch.isspace():
+            space.append(code)
+        elif unicodedata.category(ch)[0] in "LMN":
+            word.append(code)
+    return _ranges(word) + f"{chr(_BMP_END + 1)}-{chr(sys.maxunicode)}", _ranges(space)
+
+
+def _ranges(codes: list[int]) -> str:
+    out, start = [], None
+    for i, code in enumerate(codes):
+        if start is None:
+            start = code
+        if i + 1 == len(codes) or codes[i + 1] != code + 1:
+            out.append(_literal(start) if start == code else f"{_literal(start)}-{_literal(code)}")
+            start = None
+    return "".join(out)
+
+
+def _literal(code: int) -> str:
+    ch = chr(code)
+    return "\\" + ch if ch in "\\]^-[" else ch
+
+
+@functools.cache
+def pieces_pattern() -> str:
+    """GPT-2 style pieces: an optional leading space and a word, a punctuation run, an
+    underscore run, or whitespace that is not immediately followed by a word (so " word"
+    stays whole)."""
+    word, space = _classes()
+    return f" ?[{word}]+| ?[^{word}{space}_]+| ?_+|[{space}]+(?![^{space}])|[{space}]+"
 
 
 class Tokenizer:
@@ -42,6 +112,7 @@ class Tokenizer:
             raise ValueError("vocab_size too small")
         self.vocab_size = vocab_size
         self._ids: dict[str, int] = dict(SPECIAL_IDS)
+        self._pieces = re.compile(pieces_pattern())
 
     def pieces(self, text: str) -> list[str]:
         out: list[str] = []
@@ -51,7 +122,7 @@ class Tokenizer:
             if segment in SPECIAL_IDS:
                 out.append(segment)
             else:
-                out.extend(_PIECES.findall(segment))
+                out.extend(self._pieces.findall(segment))
         return out
 
     def encode(self, text: str) -> list[int]:
@@ -71,19 +142,46 @@ class Tokenizer:
         return found
 
 
-def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """Hermes-style tool-call text, the same when generated and when re-rendered."""
-    return f"{TOOL_CALL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CALL_CLOSE}"
+def files() -> dict[str, Any]:
+    """The tokenizer and chat template as a served model's files, in the form
+    workers.vllm.tokenizer_files reads them from a model's folder: a ``tokenizer.json``
+    that splits where :meth:`Tokenizer.pieces` does (a byte-level step after the split,
+    which splits nothing, marks its pieces as independent of their neighbours, so a
+    gateway counts a conversation message by message), the special tokens, and
+    :data:`CHAT_TEMPLATE`."""
+    from tokenizers import AddedToken, Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as Files
+
+    counter = Files(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    counter.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pieces_pattern()), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    counter.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return {
+        "tokenizer": counter.to_str(),
+        "config": {"bos_token": BOS, "eos_token": END},
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def render_tool_call(name: str, arguments: Any) -> str:
+    """Hermes-style tool-call text, the same when generated and when re-rendered (as the
+    template's ``tojson`` writes it: non-ASCII characters as they are)."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{TOOL_CALL_OPEN}{call}{TOOL_CALL_CLOSE}"
 
 
 def message_text(content: Any) -> str:
-    """The text of an OpenAI message ``content``: a string, None, or a list of parts. A part
-    without a text string (an image, a null text) adds nothing: vLLM skips such parts."""
+    """The text of an OpenAI message ``content`` as vLLM 0.32 hands it to a template that
+    reads it as a string (``vllm.renderers.chat_utils``): a string, None, or a list of parts
+    whose texts are joined by a newline, empty ones left out. A part without a text string
+    (an image, a null text) adds nothing: vLLM skips such parts."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(t for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str))
+    return "\n".join(t for part in content if isinstance(part, dict) and isinstance(t := part.get("text"), str) and t)
 
 
 def render_chat(
@@ -108,7 +206,8 @@ def render_chat(
         )
     parts = [BOS]
     if tools:
-        parts.append(f"{START}tools\n{json.dumps(list(tools), sort_keys=True)}{END}\n")
+        listed = json.dumps([_tool(t) for t in tools], sort_keys=True, ensure_ascii=False)
+        parts.append(f"{START}tools\n{listed}{END}\n")
     for m in messages:
         role = m.get("role", "")
         text = message_text(m.get("content"))
@@ -123,11 +222,20 @@ def render_chat(
     return "".join(parts)
 
 
-def _arguments(raw: Any) -> Any:
-    """Tool-call arguments arrive as a JSON string (OpenAI format); keep them parsed."""
-    if isinstance(raw, str):
+def _tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as vLLM's request model writes it for the template: its function's name,
+    description and parameters (null when absent), nothing else."""
+    fn = tool.get("function", {})
+    return {"type": "function", "function": {"name": fn.get("name"), "description": fn.get("description"),
+                                             "parameters": fn.get("parameters")}}  # fmt: skip
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    """A tool call's arguments as vLLM hands them to the template: parsed from their JSON
+    string, and ``{}`` where they are empty, not JSON, or not an object."""
+    if isinstance(raw, str) and raw:
         try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
-    return raw if raw is not None else {}
+            raw = json.loads(raw)
+        except ValueError:
+            return {}
+    return raw if isinstance(raw, dict) else {}

@@ -15,8 +15,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from workers.registry import Role
-from workers.wire import KVBufferDevice, kv_transfer_config
+from surface.registry import Role
+from surface.wire import KVBufferDevice, kv_transfer_config
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ import time
 import httpx
 
 from perfmodel.profile import Profile
-from workers.parent_death import end_with_parent
-from workers.registry import Registration, WorkerInfo, heartbeat_client
+from surface.parent_death import end_with_parent
+from surface.registry import Registration, WorkerInfo, heartbeat_client
+from surface.wire import cache_config, parse_load
 from workers.vllm import tokenizer_files
 from workers.vllm.launch import VllmLaunch, server_argv, server_env
-from workers.wire import cache_config, parse_load
 
 log = logging.getLogger(__name__)
 

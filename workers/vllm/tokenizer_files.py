@@ -1,9 +1,9 @@
 """The served model's tokenizer and chat template, published for gateways to count prompts
-with (gateway.model_tokenizer), so no round waits for the engine's ``/tokenize``.
+with (gateway.engines.model_tokenizer), so no round waits for the engine's ``/tokenize``.
 
 The supervisor reads them where vLLM does - the model's folder, or its snapshot in the
 Hugging Face cache that vLLM downloaded it into - and writes them to one Redis key per
-served model name (workers.registry.tokenizer_key) before it registers the engine. Where
+served model name (surface.registry.publish_tokenizer) before it registers the engine. Where
 it cannot know what vLLM counts with, it publishes nothing and gateways keep asking the
 engine: a model with no local ``tokenizer.json``, or vLLM started with an argument that
 changes the template, the tokenizer or how messages reach the template.
@@ -18,7 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from workers.registry import tokenizer_key
+from surface.registry import publish_tokenizer
 from workers.vllm.launch import VllmLaunch
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def model_folder(model: str) -> Path | None:
 
 
 def read(launch: VllmLaunch) -> dict[str, Any] | None:
-    """The files as gateway.model_tokenizer takes them, or None where they would not
+    """The files as gateway.engines.model_tokenizer takes them, or None where they would not
     count what the engine counts."""
     if any(arg.split("=", 1)[0] in CHANGING for arg in launch.extra_args):
         return None
@@ -61,14 +61,9 @@ def read(launch: VllmLaunch) -> dict[str, Any] | None:
 
 
 async def publish(redis: aioredis.Redis, prefix: str, launch: VllmLaunch) -> bool:
-    """Write the served model's files for gateways; whether there were any to write."""
+    """Publish the served model's files for gateways; whether there were any, and they landed."""
     files = read(launch)
     if files is None:
         log.info("%s: prompts are counted by the engine (no tokenizer files to publish)", launch.model_name)
         return False
-    try:
-        await redis.set(tokenizer_key(prefix, launch.model_name), json.dumps(files))
-    except aioredis.RedisError as exc:  # the engine serves all the same; its /tokenize counts
-        log.warning("%s: tokenizer files not published (%r)", launch.model_name, exc)
-        return False
-    return True
+    return await publish_tokenizer(redis, prefix, launch.model_name, files)

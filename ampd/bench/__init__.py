@@ -1,1 +1,0 @@
-"""Benchmarks: one module per `ampd bench` command (registered in ampd.bench.commands)."""

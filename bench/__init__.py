@@ -1,0 +1,1 @@
+"""Benchmarks: the harness behind `ampd bench`, the studies' scripts, and their results."""

@@ -1,0 +1,1 @@
+"""The HTTP APIs agents speak: OpenAI chat completions and Responses, Anthropic Messages."""

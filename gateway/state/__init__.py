@@ -1,0 +1,1 @@
+"""The gateway's state in Redis, shared by its replicas: sessions, prefill queues, statistics."""
