@@ -1,4 +1,4 @@
-# Two commands: `make up` starts the local stack, `make test` runs the whole suite.
+# Two commands: `make up` starts the local stack, `make test` builds the docs strictly and runs the whole suite.
 # Both build .venv first (Python >= 3.11) and reinstall when pyproject.toml changes.
 # `make test` also builds .venv-vllm: vLLM's CPU build and NIXL, in a venv of their own
 # for the tests that run real vLLM engines.
@@ -34,4 +34,5 @@ up: $(BIN)/.installed
 	$(BIN)/ampd up
 
 test: $(BIN)/.installed $(VLLM_VENV)/.installed
+	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest

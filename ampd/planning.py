@@ -255,11 +255,12 @@ def plan_command(
         raise fail(str(exc)) from exc
     sessions, book = _load(trace), profile_book(model, profile)
     slo = slo_for(book, next(iter(capacity)), slo_scale, ttft_slo_s, itl_slo_s)
+    judging = planning.Judging(book, slo, itl_slo_metric, policy)
     if POLICIES[policy].elastic is not None:
         if len(capacity) != 1:
             raise fail("an elastic pool is one GPU type: pass a count, e.g. --gpus 8 --gpu-type H20")
         ((gpu, count),) = capacity.items()
-        _plan_pool(book, sessions, gpu, count, slo, itl_slo_metric, policy, out, helm_values)
+        _plan_pool(judging, sessions, gpu, count, out, helm_values)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
@@ -270,14 +271,10 @@ def plan_command(
 
         try:
             jobs = os.cpu_count() or 1
-            result = planning.plan(
-                book, sessions, capacity, slo, policy, top, candidates, progress, itl_slo_metric, jobs
-            )
+            result = planning.plan(judging, sessions, capacity, top, candidates, progress, jobs)
             checked = []
             if validate:
-                checked = planning.exhaustive(
-                    book, sessions, result.options, capacity, slo, policy, progress, itl_slo_metric, jobs
-                )
+                checked = planning.exhaustive(judging, sessions, result.options, capacity, progress, jobs)
         except ValueError as exc:
             raise fail(str(exc)) from exc
     table = Table("rank", "configuration", "Eq. 5 rank", "Z", "tau_pre", "tau_dec", "P95 TTFT", "SLO attainment")
@@ -304,7 +301,7 @@ def plan_command(
         console.print(("[green]" if same else "[yellow]") + f"planner's #1 {'equals' if same else 'differs from'} "
                       f"the best of {len(checked)} simulated configurations")  # fmt: skip
     best = result.ranked[0]
-    deployment = planning.deployment_file(book, best, policy, slo, itl_slo_metric)
+    deployment = planning.deployment_file(judging, best)
     out.parent.mkdir(parents=True, exist_ok=True)
     for phase in ("prefill", "decode"):  # profiles derived on the fly go beside the deployment
         chosen = getattr(deployment, phase)
@@ -320,9 +317,7 @@ def plan_command(
         console.print(f"wrote {report}")
 
 
-def _plan_pool(
-    book, sessions, gpu: str, gpus: int, slo: SLO, rule: ItlRule, policy: str, out: Path, helm: Path | None = None
-) -> None:
+def _plan_pool(judging, sessions, gpu: str, gpus: int, out: Path, helm: Path | None = None) -> None:
     """`ampd plan --policy elastic`: each pool's role plan, the pools ranked by the elastic
     policy simulated on the trace, and the deployment file of the best."""
     from perfmodel.profile import shipped_profiles
@@ -334,7 +329,7 @@ def _plan_pool(
 
     with console.status("simulating every pool's static splits at the trace's loads, then elastic on each"):
         try:
-            ranked = rank(book, sessions, gpu, gpus, slo, rule, run, policy)
+            ranked = rank(judging, sessions, gpu, gpus, run)
         except ValueError as exc:
             raise fail(str(exc)) from exc
     table = Table("rank", "pool", "split by load (rounds/s: prefill engines)", "moves", "P95 TTFT", "SLO attainment")
@@ -343,6 +338,7 @@ def _plan_pool(
         table.add_row(f"#{i}", f"TP={p.tp} x {p.engines} on {gpu}", steps, str(p.predicted.moves),
                       ms(p.predicted.ttft.p95_s), f"{p.predicted.slo_attainment_rounds:.1%}")  # fmt: skip
     console.print(table)
+    book, slo, rule, policy = judging.book, judging.slo, judging.itl_rule, judging.policy
     console.print(f"SLO: TTFT {ms(slo.ttft_s)}, ITL {ms(slo.itl_s)} by each round's {rule} gap")
     best = ranked[0]
     profile = book.get(gpu, best.tp)

@@ -202,7 +202,7 @@ def bench_sweep(
     from rich.progress import BarColumn, MofNCompleteColumn
 
     from bench.sweep import sweep, write
-    from planner.plan import parse_pool
+    from planner.plan import Judging, parse_pool
     from planner.simulator import Pool
     from planner.trace import WORKLOADS
 
@@ -216,7 +216,7 @@ def bench_sweep(
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console) as progress:
             points = sweep(WORKLOADS[workload], rate_list, policies.split(","), (pools[0], pools[1]), pools[2],
-                           slo, sessions, seed, progress, itl_slo_metric)  # fmt: skip
+                           Judging(book, slo, itl_slo_metric), sessions, seed, progress)  # fmt: skip
     except ValueError as exc:
         raise fail(str(exc)) from exc
     title = (f"{workload}, {model} on {gpu}, {sessions} sessions per point, SLO TTFT {ms(slo.ttft_s)} / "
@@ -258,6 +258,7 @@ def bench_paper(
     from bench.paper import DEFAULT_RATES, DEFAULT_SESSIONS, PAPER_GPUS, Cell, run_trace, sensitivity, trace_slo
     from bench.paper import write as write_paper
     from perfmodel.slo import ITL_RULES
+    from planner.plan import Judging
 
     names = [w for w in workloads.split(",") if w]
     unknown = [w for w in names if w not in PAPER_GPUS]
@@ -291,7 +292,7 @@ def bench_paper(
             dureader = trace_slo(book, gpu, "dureader", 5.0)
             with console.status("sensitivity to w, alpha and beta (DuReader)"):
                 setup, sensitive = sensitivity(
-                    book, gpu, "dureader", sensitivity_rate, counts["dureader"], dureader, seed
+                    Judging(book, dureader), gpu, "dureader", sensitivity_rate, counts["dureader"], seed
                 )
             setup = f"DuReader, {PAPER_GPUS['dureader']} GPUs, {sensitivity_rate:g} sessions/s, {setup}"
     except ValueError as exc:
@@ -364,6 +365,7 @@ def bench_elastic(
     from bench.elastic import write as write_elastic
     from bench.paper import trace_slo
     from perfmodel.slo import ITL_RULES
+    from planner.plan import Judging
     from planner.trace import SHAPES, WORKLOADS, Shape
 
     try:
@@ -386,7 +388,7 @@ def bench_elastic(
         for trace in chosen:
             slo = trace_slo(book, gpu, trace.workload, slo_scale)
             with console.status(f"{trace.name}: every policy, and elastic on each pool"):
-                o, v, t = run_shaped(book, gpu, gpus, trace, rule_list, slo, seed)  # type: ignore[arg-type]
+                o, v, t = run_shaped(Judging(book, slo), gpu, gpus, trace, rule_list, seed)  # type: ignore[arg-type]
             outcomes, verdicts, timelines[trace.name] = outcomes + o, verdicts + v, t
             for verdict in v:
                 console.print(f"{trace.name}, {verdict.rule}: elastic {verdict.elastic.slo_attainment_rounds:.1%}, "

@@ -31,7 +31,7 @@ import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ import numpy as np
 from bench.figures import pyplot, save
 from bench.paper import COLOCATED, SPLIT, colocated_candidates, disaggregated_candidates
 from perfmodel.slo import SLO, ItlRule
-from planner.plan import ProfileBook
+from planner.plan import Judging
 from planner.role_plan import PoolPlan, elastic_config, load_levels, opening_load, pools, split_config, split_ladder
 from planner.simulator import SimConfig, SimReport, simulate
 from planner.trace import WORKLOADS, Shape, TraceSession, generate_shaped
@@ -120,13 +120,15 @@ def _rate(minutes: dict[int, tuple[int, int]]) -> float:
 
 
 def run_shaped(
-    book: ProfileBook, gpu: str, gpus: int, trace: ShapedTrace, rules: Sequence[ItlRule], slo: SLO, seed: int
+    judging: Judging, gpu: str, gpus: int, trace: ShapedTrace, rules: Sequence[ItlRule], seed: int
 ) -> tuple[list[Outcome], list[Verdict], dict]:
-    """Every policy on ``trace`` under each rule; the verdicts; and the timelines to plot."""
+    """Every policy on ``trace`` under each rule (``judging``'s book and SLO, its rule and
+    policy set per run); the verdicts; and the timelines to plot."""
     sessions, planning = trace.sessions(seed), trace.sessions(seed + 1)
     total = sum(len(s.rounds) for s in sessions)
+    book = judging.book
     splits, together = disaggregated_candidates(book, gpu, gpus), colocated_candidates(book, gpu, gpus)
-    judges = [(slo, rule) for rule in rules]
+    judges = [(judging.slo, rule) for rule in rules]
     outcomes: list[Outcome] = []
     verdicts: list[Verdict] = []
     timelines: dict = {"rate": _arrival_rate(sessions), "roles": {}}
@@ -138,32 +140,33 @@ def run_shaped(
         def run_plans(configs: Sequence[SimConfig], traces: Sequence[Sequence[TraceSession]]) -> list[SimReport]:
             return list(pool.map(simulate, configs, traces))
 
+        def judged(policy: str, rule: ItlRule = "mean") -> Judging:
+            return replace(judging, itl_rule=rule, policy=policy)
+
         def fixed(policy: str, rule: ItlRule) -> list[SimConfig]:
             if policy in COLOCATED:
-                return [SimConfig(decode=d, prefill=None, slo=slo, policy=policy, seed=seed) for d in together]
-            return [SimConfig(decode=d, prefill=p, slo=slo, policy=policy, seed=seed, itl_rule=rule)
-                    for p, d in splits]  # fmt: skip
+                return [judged(policy).config(d, None, seed=seed) for d in together]
+            return [judged(policy, rule).config(d, p, seed=seed) for p, d in splits]
 
         runs: dict[tuple[str, ItlRule | None], list[Future]] = {}
         for policy in BLIND + ("ampd",):
             runs[(policy, None)] = [submit(c) for c in fixed(policy, "mean")]
         for rule in rules:
             runs[("ampd-tail", rule)] = [submit(c) for c in fixed("ampd-tail", rule)]
-            runs[("dynaserve", rule)] = [submit(SimConfig(decode=d, prefill=None, slo=slo, policy="dynaserve",
-                                                          seed=seed, itl_rule=rule)) for d in together]  # fmt: skip
+            runs[("dynaserve", rule)] = [submit(judged("dynaserve", rule).config(d, None, seed=seed)) for d in together]
         plans: dict[ItlRule, list[PoolPlan]] = {
-            rule: pools(book, planning, gpu, gpus, slo, rule, load_levels(planning), run_plans, seed + 1)
+            rule: pools(judged("elastic", rule), planning, gpu, gpus, load_levels(planning), run_plans, seed + 1)
             for rule in rules
         }
         for rule in rules:
             for policy in ELASTIC:
                 runs[(policy, rule)] = [
-                    submit(elastic_config(book, gpu, p, slo, rule, opening_load(sessions), policy, seed))
+                    submit(elastic_config(judged(policy, rule), gpu, p, opening_load(sessions), seed))
                     for p in plans[rule]
                 ]
             # Each pool's static splits, for the switching bound.
             runs[("static", rule)] = [
-                submit(split_config(book, gpu, p.tp, p.engines, k, slo, rule, seed))
+                submit(split_config(judged("elastic", rule), gpu, p.tp, p.engines, k, seed))
                 for p in plans[rule]
                 for k in split_ladder(p.engines)
             ]

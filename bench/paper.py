@@ -47,7 +47,7 @@ from bench.figures import pyplot, save
 from bench.sweep import SweepPoint
 from perfmodel.catalog import TP_DEGREES
 from perfmodel.slo import SLO, ItlRule
-from planner.plan import ProfileBook, plan
+from planner.plan import Judging, ProfileBook, plan
 from planner.role_plan import PoolPlan, elastic_config, pools, split_ladder
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.trace import WORKLOADS, TraceSession, generate, rounds_per_session
@@ -118,6 +118,10 @@ class Cell:
     def stem(self) -> str:
         return f"{self.rule}_x{self.scale:g}"
 
+    def judging(self, book: ProfileBook, gpu: str, workload: str, policy: str = "ampd") -> Judging:
+        """The cell as ``policy`` on ``workload``'s trace is judged in it (its SLO: trace_slo)."""
+        return Judging(book, trace_slo(book, gpu, workload, self.scale), self.rule, policy)
+
 
 @dataclass(frozen=True)
 class GridPoint(SweepPoint):
@@ -150,8 +154,7 @@ def grid_plans(
 
     plans = {}
     for cell in cells:
-        slo = trace_slo(book, gpu, workload, cell.scale)
-        for p in pools(book, planning, gpu, PAPER_GPUS[workload], slo, cell.rule, rates, run, seed + 1):
+        for p in pools(cell.judging(book, gpu, workload), planning, gpu, PAPER_GPUS[workload], rates, run, seed + 1):
             plans[(cell, p.tp)] = p
     return plans
 
@@ -215,7 +218,7 @@ def run_trace(
             for cell in cells:  # each pool, starting from its plan's split for the rate
                 for policy in ("elastic", "elastic-split"):
                     runs[(policy, cell.scale, cell.rule)] = [
-                        submit(elastic_config(book, gpu, plan, slos[cell.scale], cell.rule, load, policy, seed),
+                        submit(elastic_config(cell.judging(book, gpu, workload, policy), gpu, plan, load, seed),
                                trace, judged=True)
                         for (planned, _), plan in plans.items() if planned == cell
                     ]  # fmt: skip
@@ -323,10 +326,10 @@ def chunk_ablation(
             for cell in cells:
                 for policy in CHUNKED:
                     pools = [(None, d) for d in together] if policy == "coloc" else splits
+                    judging = cell.judging(book, gpu, workload, policy)
                     runs[(policy, chunk, cell)] = [
-                        pool.submit(simulate_and_judge, SimConfig(
-                            decode=d, prefill=p, slo=slos[cell.scale], policy=policy, seed=seed,
-                            itl_rule=cell.rule, decode_prefill_chunk=chunk), trace, judges)
+                        pool.submit(simulate_and_judge, judging.config(d, p, seed=seed, decode_prefill_chunk=chunk),
+                                    trace, judges)
                         for p, d in pools
                     ]  # fmt: skip
         out = []
@@ -347,18 +350,16 @@ class SensitivityPoint:
 
 
 def sensitivity(
-    book: ProfileBook, gpu: str, workload: str, rate: float, sessions: int, slo: SLO, seed: int
+    judging: Judging, gpu: str, workload: str, rate: float, sessions: int, seed: int
 ) -> tuple[str, list[SensitivityPoint]]:
-    """Figure 6: ampd on its planned deployment, one hyper-parameter varied at a time from
-    the paper's defaults (alpha 0.9, beta 0.85, w 3). Returns the deployment and the points."""
+    """Figure 6: ``judging``'s policy (ampd, in the paper) on its planned deployment, one
+    hyper-parameter varied at a time from the paper's defaults (alpha 0.9, beta 0.85, w 3).
+    Returns the deployment and the points."""
     trace = generate(WORKLOADS[workload], sessions, rate, seed)
-    d = plan(book, trace, {gpu: PAPER_GPUS[workload]}, slo, policy="ampd", top=1).ranked[0].deployment
-    base = SimConfig(
-        decode=Pool(book.get(gpu, d.decode.tp), d.decode.replicas),
-        prefill=Pool(book.get(gpu, d.prefill.tp), d.prefill.replicas),
-        slo=slo,
-        seed=seed,
-    )
+    d = plan(judging, trace, {gpu: PAPER_GPUS[workload]}, top=1).ranked[0].deployment
+    decode = judging.pool(gpu, d.decode.tp, d.decode.replicas)
+    prefill = judging.pool(gpu, d.prefill.tp, d.prefill.replicas)
+    base = judging.config(decode, prefill, seed=seed)
     varied = [(parameter, value) for parameter, values in SENSITIVITY.items() for value in values]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         futures = [pool.submit(simulate, replace(base, **{parameter: value}), trace) for parameter, value in varied]

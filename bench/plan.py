@@ -46,14 +46,14 @@ class Row:
 def plan_once(gpus: int, jobs: int) -> Row:
     from ampd.planning import deployment_label, slo_for
     from perfmodel.slo import DEFAULT_SCALE
-    from planner.plan import ProfileBook, plan
+    from planner.plan import Judging, ProfileBook, plan
     from planner.trace import WORKLOADS, generate
 
     sessions, rate = CLUSTERS[gpus]
     trace = generate(WORKLOADS["toolbench"], sessions, rate, seed=0)
     started = time.perf_counter()
     book = ProfileBook(MODEL, [])
-    result = plan(book, trace, {GPU: gpus}, slo_for(book, GPU, DEFAULT_SCALE, None, None), jobs=jobs)
+    result = plan(Judging(book, slo_for(book, GPU, DEFAULT_SCALE, None, None)), trace, {GPU: gpus}, jobs=jobs)
     wall = time.perf_counter() - started
     best = result.ranked[0]
     return Row(gpus, sessions, rate, wall, len(result.samples), len(result.options), result.solve_s,

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.paper import PAPER_GPUS, Cell, colocated_candidates, trace_slo
+from bench.paper import PAPER_GPUS, Cell, colocated_candidates
 from planner.plan import ProfileBook
 from planner.simulator import Pool, SimConfig, simulate
 from planner.trace import WORKLOADS, TraceSession, generate
@@ -54,9 +54,8 @@ def run_split(
     pools: list[Pool] = [d for d in colocated_candidates(book, gpu, PAPER_GPUS[workload]) if d.replicas > 1]
     with ProcessPoolExecutor(max_workers=os.cpu_count()) as executor:
         futures = {
-            (cell, d.label(), policy): executor.submit(_run, SimConfig(
-                decode=d, prefill=None, slo=trace_slo(book, gpu, workload, cell.scale), policy=policy, seed=seed,
-                itl_rule=cell.rule), trace)
+            (cell, d.label(), policy): executor.submit(
+                _run, cell.judging(book, gpu, workload, policy).config(d, None, seed=seed), trace)
             for cell in cells for d in pools for policy in ARMS
         }  # fmt: skip
         return [

@@ -20,7 +20,8 @@ from rich.progress import Progress
 
 from bench.figures import pyplot, save
 from perfmodel.slo import SLO, ItlRule
-from planner.simulator import Pool, SimConfig, SimReport, simulate
+from planner.plan import Judging
+from planner.simulator import Pool, SimReport, simulate
 from planner.trace import Workload, generate
 from rounds.policies import POLICIES
 
@@ -72,13 +73,13 @@ def sweep(
     policies: list[str],
     disaggregated: tuple[Pool, Pool],
     colocated: Pool,
-    slo: SLO,
+    judging: Judging,
     sessions: int,
     seed: int = 0,
     progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
 ) -> list[SweepPoint]:
-    """Every (rate, policy) point; ``disaggregated`` is (prefill, decode)."""
+    """Every (rate, policy) point, judged by ``judging``'s SLO and ITL rule (each of
+    ``policies`` in turn serving); ``disaggregated`` is (prefill, decode)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
@@ -88,7 +89,7 @@ def sweep(
         trace = generate(workload, sessions, rate, seed)
         for policy in policies:
             prefill, decode = disaggregated if POLICIES[policy].uses_prefill_workers else (None, colocated)
-            config = SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, seed=seed, itl_rule=itl_rule)
+            config = judging.config(decode, prefill, policy=policy, seed=seed)
             points.append(SweepPoint.of(workload.name, rate, simulate(config, trace)))
             if progress is not None and task is not None:
                 progress.advance(task)

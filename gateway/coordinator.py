@@ -15,18 +15,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import random
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.driver_info import DriverInfo
 
 from gateway.apis.schema import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.config import GatewayConfig
@@ -36,77 +33,42 @@ from gateway.engines.tokens import ServedTokenizers
 from gateway.engines.upstream import EngineClient, Reply, UpstreamError
 from gateway.exchange import PUBLIC_SCOPE, Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.rounds import Round, RoundRecorder, RoundRunner
+from gateway.rounds import Round, RoundRunner
 from gateway.state.outage import RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
-from gateway.state.redis_batch import PackedConnection, RedisBatch
+from gateway.state.redis_batch import RedisBatch
 from gateway.state.round_reads import RoundReads
 from gateway.state.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
-from gateway.state.stats import WindowedStats
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
-from gateway.tracing import RoundTracer
 from perfmodel.slo import SLO
-from rounds.core import RoundCore
-from rounds.policies import POLICIES
 from tools_sandbox.client import ToolRunner
 from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool
 
 log = logging.getLogger(__name__)
 content_log = logging.getLogger("ampd.content")  # prompts and replies: only with config.log_content
-REDIS_CONNECTIONS = 256
 
 
+@dataclass
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
-        self.config = config
-        # Block for a free connection rather than fail when hundreds of requests are in flight.
-        # A connection Redis dropped (a restart) fails on first use: it is opened again and
-        # the command sent once more - a write on a dead socket never reached Redis, so the
-        # retry cannot apply it twice. (With a pool of its own, redis-py retries nothing.)
-        # The client's name and version (CLIENT SETINFO) are read once: left to redis-py, each
-        # new connection parses the package's metadata again, half of the ~0.8 ms of CPU a
-        # connection costs - paid for every connection a burst of streams opens.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
-            retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError], driver_info=DriverInfo(),
-        )  # fmt: skip
-        if pool.connection_class is aioredis.Connection:  # TCP (TLS and unix sockets pack as redis-py does)
-            pool.connection_class = PackedConnection
-        self.redis = aioredis.Redis(connection_pool=pool)
-        self.batch = RedisBatch(self.redis)
-        self.client = EngineClient(config.request_timeout_s)
-        rng = random.Random(config.routing_seed)
-        policy = POLICIES[config.policy]
-        core = RoundCore(policy, config.alpha, config.beta, config.reorder_window, rng, config.itl_slo_metric)
-        self.metrics = GatewayMetrics(roles=self._roles)
-        self.health = RedisHealth(self.metrics.redis_up, self.metrics.redis_errors)
-        self.queues = PrefillQueues(
-            self.redis, self.batch, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
-            max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=self.health,
-            postponements=self.metrics.postponements,
-        )  # fmt: skip
-        self.pool = WorkerPool(self.redis, config.key_prefix, config.static_workers, self.client, self.health)
-        self.tokenizers = ServedTokenizers(self.redis, config.key_prefix, self.client, self.metrics.prompt_count_checks)
-        self.stats = WindowedStats(config.key_prefix, config.stats_window_s)
-        self.sessions = SessionStore(self.redis, config.key_prefix, config.session_ttl_s, self.health)
-        self.reads = RoundReads(self.batch, self.sessions, self.queues, self.stats, self.health)
-        self.elastic = None
-        if policy.elastic is not None:
-            self.elastic = ElasticLoop(
-                policy.elastic, self.pool, self.queues, self.stats, self.redis, config.key_prefix, config.replica_id,
-                self.metrics, config.alpha, config.beta, config.role_plan,
-            )  # fmt: skip
-        recorder = RoundRecorder(
-            core, self.redis, self.batch, self.stats, self.sessions, RoundTracer(), self.metrics, self.health,
-            self.elastic.demand if self.elastic else None,
-        )  # fmt: skip
-        self.rounds = RoundRunner(
-            core, self.pool, self.queues, self.client, self.metrics, config.migration_limit, recorder
-        )
-        self.key_hashes = config.key_hashes
-        self.tools = ToolRunner(config.redis_url, config.key_prefix)
-        self._tasks: list[asyncio.Task] = []
+    """One gateway replica's coordinator: what it holds (wired by gateway.assemble), and
+    an exchange's life from its body to its last round."""
+
+    config: GatewayConfig
+    redis: aioredis.Redis
+    batch: RedisBatch
+    client: EngineClient
+    metrics: GatewayMetrics
+    health: RedisHealth
+    pool: WorkerPool
+    queues: PrefillQueues
+    sessions: SessionStore
+    reads: RoundReads
+    tokenizers: ServedTokenizers
+    rounds: RoundRunner
+    tools: ToolRunner
+    elastic: ElasticLoop | None = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,20 +95,15 @@ class Gateway:
             await self.pool.refresh()
             self.queues.watch(self.pool.workers)
 
-    def _roles(self) -> list[tuple[str, str]]:
-        """(worker, role) of every engine in the pool: its assignment, else the role it registered."""
-        return [(w.info.worker_id, w.assignment.role if w.assignment is not None else w.info.role)
-                for w in self.pool.workers.values()]  # fmt: skip
-
     # -- an exchange begins -----------------------------------------------------------------
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
         """The caller's scope: sessions, hashes and ids are namespaced by it. The key is
         ``Authorization: Bearer <key>``, else ``api_key`` (Anthropic's ``x-api-key`` header)."""
-        if not self.key_hashes:
+        if not self.config.key_hashes:
             return PUBLIC_SCOPE
         key = (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
         digest = hashlib.sha256(key.encode()).hexdigest()
-        if not key or digest not in self.key_hashes:
+        if not key or digest not in self.config.key_hashes:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return digest[:16]
 

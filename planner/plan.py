@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -113,6 +114,31 @@ class ProfileBook:
 
 
 @dataclass(frozen=True)
+class Judging:
+    """What the planner judges a deployment by: the profiles its engines run at (the
+    book), the SLO a round must meet, the ITL rule its gaps are held to (perfmodel.slo)
+    and the serving policy it runs. Every simulation the planner makes of a deployment
+    is made and read under these; a measurement that routes its own way (the tau runs
+    under ``disagg``, a pool's static splits under ``ampd-tail``) keeps its SLO and rule."""
+
+    book: ProfileBook
+    slo: SLO
+    itl_rule: ItlRule = "mean"
+    policy: str = "ampd"
+
+    def pool(self, gpu: str, tp: int, replicas: int) -> Pool:
+        """``replicas`` engines of degree ``tp`` on ``gpu``, at the book's profile."""
+        return Pool(self.book.get(gpu, tp), replicas)
+
+    def config(self, decode: Pool, prefill: Pool | None, **options: Any) -> SimConfig:
+        """``decode`` and ``prefill`` simulated as judged: this SLO, ITL rule and policy;
+        ``options`` are SimConfig's other fields (``policy`` among them, for a run that
+        routes its own way)."""
+        judged: dict[str, Any] = {"slo": self.slo, "policy": self.policy, "itl_rule": self.itl_rule}
+        return SimConfig(decode=decode, prefill=prefill, **(judged | options))
+
+
+@dataclass(frozen=True)
 class TauSample:
     phase: str
     gpu: str
@@ -121,11 +147,10 @@ class TauSample:
     report: SimReport
 
 
-def tau_families(
-    book: ProfileBook, sessions: Sequence[TraceSession], capacity: Mapping[str, int], slo: SLO
-) -> list[Family]:
+def tau_families(judging: Judging, sessions: Sequence[TraceSession], capacity: Mapping[str, int]) -> list[Family]:
     """Every (phase, type, degree) with the replica counts that leave room for the other
     phase; prefill counts whose replicas `prefill_overwhelmed` shows far past the SLO are left out."""
+    book, slo = judging.book, judging.slo
     degrees = {gpu: book.feasible(gpu) for gpu in capacity}
     if not any(degrees.values()):
         raise ValueError(f"{book.model.name} fits on no TP degree of {', '.join(capacity)}")
@@ -142,20 +167,15 @@ def tau_families(
 
 
 def tau_run(
-    book: ProfileBook,
-    sessions: Sequence[TraceSession],
-    capacity: Mapping[str, int],
-    slo: SLO,
-    itl_rule: ItlRule,
-    sample: Sample,
+    judging: Judging, sessions: Sequence[TraceSession], capacity: Mapping[str, int], sample: Sample
 ) -> tuple[SimConfig, list[TraceSession]]:
     """One replica of ``sample``'s degree on its 1/m share of the trace, every prefill remote
-    (``disagg``) so that each phase is measured on its own work, the other phase ample."""
+    (``disagg``, whatever ``judging``'s policy) so that each phase is measured on its own
+    work, the other phase ample."""
     phase, gpu, tp, replicas = sample
-    one, ample = Pool(book.get(gpu, tp), 1), _ample(book, capacity, replicas)
-    pools = {"decode": ample, "prefill": one} if phase == "prefill" else {"decode": one, "prefill": ample}
-    config = SimConfig(**pools, slo=slo, policy="disagg", itl_rule=itl_rule)
-    return config, list(subsample(sessions, replicas))
+    one, ample = judging.pool(gpu, tp, 1), _ample(judging.book, capacity, replicas)
+    decode, prefill = (ample, one) if phase == "prefill" else (one, ample)
+    return judging.config(decode, prefill, policy="disagg"), list(subsample(sessions, replicas))
 
 
 @dataclass(frozen=True)
@@ -167,13 +187,11 @@ class TauResult:
 
 
 def search_taus(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     capacity: Mapping[str, int],
-    slo: SLO,
     top: int,
     progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
     jobs: int = 1,
 ) -> TauResult:
     """Eq. 5's ``top`` deployments with taus simulated only where they can lie (planner.tau_search)."""
@@ -183,12 +201,12 @@ def search_taus(
     def measure(wanted: Sequence[Sample]) -> list[float | None]:
         if progress:
             progress(f"tau: {len(wanted)} simulations of one replica on its share ({len(samples)} so far)")
-        runs = [tau_run(book, trace, capacity, slo, itl_rule, s) for s in wanted]
+        runs = [tau_run(judging, trace, capacity, s) for s in wanted]
         reports = simulate_all(runs, jobs)
         samples.extend(TauSample(*s, r) for s, r in zip(wanted, reports, strict=True))
         return [r.tau_prefill if s[0] == "prefill" else r.tau_decode for s, r in zip(wanted, reports, strict=True)]
 
-    found = search(tau_families(book, trace, capacity, slo), measure, capacity, top)
+    found = search(tau_families(judging, trace, capacity), measure, capacity, top)
     return TauResult(found.options, samples, found.best, found.solve_s)
 
 
@@ -238,12 +256,10 @@ def _ample(book: ProfileBook, capacity: Mapping[str, int], share: int) -> Pool:
     return Pool(book.get(gpu, tp), max(1, math.ceil(sum(capacity.values()) / tp / share)))
 
 
-def deployment_config(
-    book: ProfileBook, deployment: Deployment, slo: SLO, policy: str, itl_rule: ItlRule = "mean"
-) -> SimConfig:
-    prefill = Pool(book.get(deployment.prefill.gpu, deployment.prefill.tp), deployment.prefill.replicas)
-    decode = Pool(book.get(deployment.decode.gpu, deployment.decode.tp), deployment.decode.replicas)
-    return SimConfig(decode=decode, prefill=prefill, slo=slo, policy=policy, itl_rule=itl_rule)
+def deployment_config(judging: Judging, deployment: Deployment) -> SimConfig:
+    """The whole ``deployment`` simulated as judged (its policy among the rest)."""
+    prefill, decode = (judging.pool(p.gpu, p.tp, p.replicas) for p in (deployment.prefill, deployment.decode))
+    return judging.config(decode, prefill)
 
 
 @dataclass(frozen=True)
@@ -282,15 +298,12 @@ class PlanResult:
 
 
 def plan(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     capacity: Mapping[str, int],
-    slo: SLO,
-    policy: str = "ampd",
     top: int = 3,
     candidates: int = 5,
     progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
     jobs: int = 1,
 ) -> PlanResult:
     """Eq. 5's best ``candidates`` configurations, each then simulated whole with the
@@ -304,30 +317,27 @@ def plan(
     GPUs between the phases from there, simulated whole. The Eq. 5 rank stays in the
     result for comparison.
     """
-    taus = search_taus(book, sessions, capacity, slo, max(top, candidates), progress, itl_rule, jobs)
+    taus = search_taus(judging, sessions, capacity, max(top, candidates), progress, jobs)
     ranked = list(enumerate(taus.best, 1))
     judged = [(rank, d) for rank, d in ranked if not any(dominates(other, d) for _, other in ranked)]
     if progress:
         progress(f"predict {len(judged)} of Eq. 5's best {len(ranked)}, simulated whole (the rest have less of both)")
-    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for _, d in judged]
+    runs = [(deployment_config(judging, d), sessions) for _, d in judged]
     reports = simulate_all(runs, jobs)
     simulated = [RankedPlan(d, report, rank) for (rank, d), report in zip(judged, reports, strict=True)]
     if by_attainment(simulated)[0].predicted.slo_attainment_rounds < 1.0:
         options = taus.options
-        simulated += climb_splits(book, sessions, options, capacity, slo, policy, simulated, progress, itl_rule, jobs)
-    return PlanResult(by_attainment(simulated)[:top], taus.options, taus.samples, slo, taus.solve_s)
+        simulated += climb_splits(judging, sessions, options, capacity, simulated, progress, jobs)
+    return PlanResult(by_attainment(simulated)[:top], taus.options, taus.samples, judging.slo, taus.solve_s)
 
 
 def climb_splits(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     options: Sequence[PoolOption],
     capacity: Mapping[str, int],
-    slo: SLO,
-    policy: str,
     candidates: Sequence[RankedPlan],
     progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
     jobs: int = 1,
 ) -> list[RankedPlan]:
     """planner.split_search from the best candidate of each pair of pools' (type, degree):
@@ -342,7 +352,7 @@ def climb_splits(
         fresh = list(dict.fromkeys(d for _, d in steps if d not in known))
         if progress:
             progress(f"split search: {len(fresh)} configurations simulated whole ({len(found)} so far)")
-        runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in fresh]
+        runs = [(deployment_config(judging, d), sessions) for d in fresh]
         for d, report in zip(fresh, simulate_all(runs, jobs), strict=True):
             known[d] = report
             found.append(RankedPlan(d, report))
@@ -352,14 +362,11 @@ def climb_splits(
 
 
 def exhaustive(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     options: Sequence[PoolOption],
     capacity: Mapping[str, int],
-    slo: SLO,
-    policy: str,
     progress: Progress | None = None,
-    itl_rule: ItlRule = "mean",
     jobs: int = 1,
 ) -> list[RankedPlan]:
     """Every feasible configuration simulated whole, best SLO attainment first (the paper's
@@ -367,7 +374,7 @@ def exhaustive(
     deployments = enumerate_deployments(options, capacity)
     if progress:
         progress(f"validate: {len(deployments)} configurations simulated whole, {jobs} at a time")
-    runs = [(deployment_config(book, d, slo, policy, itl_rule), sessions) for d in deployments]
+    runs = [(deployment_config(judging, d), sessions) for d in deployments]
     return by_attainment([RankedPlan(d, report, rank) for rank, (d, report) in
                           enumerate(zip(deployments, simulate_all(runs, jobs), strict=True), 1)])  # fmt: skip
 
@@ -470,9 +477,10 @@ def role_plan_json(plan: RolePlan) -> str:
     return TypeAdapter(RolePlan).dump_json(plan).decode()
 
 
-def deployment_file(
-    book: ProfileBook, best: RankedPlan, policy: str, slo: SLO, itl_rule: ItlRule = "mean"
-) -> DeploymentFile:
+def deployment_file(judging: Judging, best: RankedPlan) -> DeploymentFile:
+    """``best`` as `ampd plan` writes it, with the SLO, rule and policy it was judged by."""
+    book, slo = judging.book, judging.slo
+
     def phase(option: PoolOption) -> PhaseDeployment:
         return PhaseDeployment(gpu=option.gpu, tp=option.tp, replicas=option.replicas,
                                profile=book.get(option.gpu, option.tp).name)  # fmt: skip
@@ -480,12 +488,12 @@ def deployment_file(
     d = best.deployment
     return DeploymentFile(
         model=book.model.name,
-        policy=policy,
+        policy=judging.policy,
         prefill=phase(d.prefill),
         decode=phase(d.decode),
         ttft_slo_s=slo.ttft_s,
         itl_slo_s=slo.itl_s,
-        itl_rule=itl_rule,
+        itl_rule=judging.itl_rule,
         predicted_slo_attainment=best.predicted.slo_attainment_rounds,
         predicted_p95_ttft_s=best.predicted.ttft.p95_s,
         z=d.z,

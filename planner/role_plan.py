@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from perfmodel.slo import SLO, ItlRule
-from planner.plan import ProfileBook
-from planner.simulator import Pool, SimConfig, SimReport
+from planner.plan import Judging
+from planner.simulator import SimConfig, SimReport
 from planner.trace import TraceSession, respace, rounds_per_session
 from rounds.elastic import RolePlan, RoleStep
+from rounds.policies import POLICIES
 
 STATIC = "ampd-tail"  # how the elastic policy routes within its roles (rounds.policies)
 LEVELS = 6  # loads planned when none are given
@@ -77,13 +77,11 @@ def opening_load(sessions: Sequence[TraceSession], window_s: float = 60.0) -> fl
 
 
 def split_runs(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     gpu: str,
     tp: int,
     engines: int,
-    slo: SLO,
-    itl_rule: ItlRule,
     rates: Sequence[float],
     seed: int = 0,
 ) -> list[SplitRun]:
@@ -92,19 +90,16 @@ def split_runs(
     for rate in rates:
         respaced = respace(list(sessions), rate, seed)
         for k in split_ladder(engines):
-            config = split_config(book, gpu, tp, engines, k, slo, itl_rule, seed)
+            config = split_config(judging, gpu, tp, engines, k, seed)
             runs.append(SplitRun(tp, engines, k, rate, rate * rounds, config, respaced))
     return runs
 
 
-def split_config(
-    book: ProfileBook, gpu: str, tp: int, engines: int, prefill: int, slo: SLO, itl_rule: ItlRule, seed: int = 0
-) -> SimConfig:
+def split_config(judging: Judging, gpu: str, tp: int, engines: int, prefill: int, seed: int = 0) -> SimConfig:
     """The pool with ``prefill`` of its engines in the prefill role for good, routed as
-    the elastic policy routes."""
-    profile = book.get(gpu, tp)
-    return SimConfig(decode=Pool(profile, engines - prefill), prefill=Pool(profile, prefill) if prefill else None,
-                     slo=slo, policy=STATIC, seed=seed, itl_rule=itl_rule)  # fmt: skip
+    the elastic policy routes (``STATIC``, whatever ``judging``'s policy)."""
+    decode = judging.pool(gpu, tp, engines - prefill)
+    return judging.config(decode, judging.pool(gpu, tp, prefill) if prefill else None, policy=STATIC, seed=seed)
 
 
 def role_plan(runs: Sequence[SplitRun], reports: Sequence[SimReport]) -> RolePlan:
@@ -126,12 +121,10 @@ class PoolPlan:
 
 
 def pools(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     gpu: str,
     gpus: int,
-    slo: SLO,
-    itl_rule: ItlRule,
     rates: Sequence[float],
     run: Callable[[Sequence[SimConfig], Sequence[Sequence[TraceSession]]], list[SimReport]],
     seed: int = 0,
@@ -139,10 +132,11 @@ def pools(
     """A plan for every pool of one TP degree that fills ``gpus`` (a pool of one engine
     has one split: colocated); ``run`` simulates configs on their sessions (in parallel,
     where the caller can)."""
+    book = judging.book
     shapes = [(tp, gpus // tp) for tp in book.feasible(gpu) if gpus % tp == 0]
     if not shapes:
         raise ValueError(f"no TP degree of {book.model.name} on {gpu} divides {gpus} GPUs")
-    runs = [split_runs(book, sessions, gpu, tp, n, slo, itl_rule, rates, seed) for tp, n in shapes]
+    runs = [split_runs(judging, sessions, gpu, tp, n, rates, seed) for tp, n in shapes]
     flat = [r for pool in runs for r in pool]
     reports = run([r.config for r in flat], [r.sessions for r in flat])
     out, at = [], 0
@@ -152,33 +146,28 @@ def pools(
     return out
 
 
-def elastic_config(
-    book: ProfileBook, gpu: str, pool: PoolPlan, slo: SLO, itl_rule: ItlRule, start_load: float,
-    policy: str = "elastic", seed: int = 0,
-) -> SimConfig:  # fmt: skip
-    """The elastic policy on ``pool``, starting with the split planned for ``start_load``
-    rounds per second."""
-    return SimConfig(decode=Pool(book.get(gpu, pool.tp), pool.engines), prefill=None, slo=slo, policy=policy,
-                     seed=seed, itl_rule=itl_rule, initial_prefill=pool.plan.target(start_load),
-                     role_plan=pool.plan)  # fmt: skip
+def elastic_config(judging: Judging, gpu: str, pool: PoolPlan, start_load: float, seed: int = 0) -> SimConfig:
+    """``judging``'s policy, an elastic one, on ``pool``, starting with the split planned
+    for ``start_load`` rounds per second."""
+    if POLICIES[judging.policy].elastic is None:
+        raise ValueError(f"a role plan steers an elastic policy, not {judging.policy!r}")
+    engines = judging.pool(gpu, pool.tp, pool.engines)
+    return judging.config(engines, None, seed=seed, initial_prefill=pool.plan.target(start_load), role_plan=pool.plan)
 
 
 def rank(
-    book: ProfileBook,
+    judging: Judging,
     sessions: Sequence[TraceSession],
     gpu: str,
     gpus: int,
-    slo: SLO,
-    itl_rule: ItlRule,
     run: Callable[[Sequence[SimConfig], Sequence[Sequence[TraceSession]]], list[SimReport]],
-    policy: str = "elastic",
     seed: int = 0,
 ) -> list[PoolPlan]:
-    """Every pool planned at ``sessions``' loads, then the elastic policy simulated on
-    ``sessions`` with each plan: best first (attainment, then P95 TTFT)."""
-    planned = pools(book, sessions, gpu, gpus, slo, itl_rule, load_levels(sessions), run, seed)
+    """Every pool planned at ``sessions``' loads, then ``judging``'s elastic policy simulated
+    on ``sessions`` with each plan: best first (attainment, then P95 TTFT)."""
+    planned = pools(judging, sessions, gpu, gpus, load_levels(sessions), run, seed)
     start = opening_load(sessions)
-    configs = [elastic_config(book, gpu, p, slo, itl_rule, start, policy, seed) for p in planned]
+    configs = [elastic_config(judging, gpu, p, start, seed) for p in planned]
     reports = run(configs, [sessions] * len(configs))
     ranked = [replace(p, predicted=r) for p, r in zip(planned, reports, strict=True)]
     return sorted(ranked, key=lambda p: (-p.predicted.slo_attainment_rounds, p.predicted.ttft.p95_s or 0.0))

@@ -3,10 +3,9 @@
 Eq. 5 (AMPD, "Efficient Multi-round LLM Inference over Disaggregated Serving", section 5)
 prices each phase on its own, every prefill remote. AMPD's policy, and the production
 rules that prefill short increments locally, move prefill work onto the decode engines,
-so the best split gives decode more GPUs than Eq. 5 does: on a DuReader trace (16 H20,
-1.2 sessions/s, ITL by its mean, SLOs 3x) Eq. 5's best five reached 39.4% SLO attainment
-simulated whole and the best of all 60 configurations 74.4%, with a prefill pool Eq. 5
-rates 60x past its SLO on its own.
+so the best split gives decode more GPUs than Eq. 5 does: simulated whole, Eq. 5's best
+candidates can fall far short of the best configuration, with a prefill pool Eq. 5 rates
+well past its SLO on its own (docs/studies/planner.md).
 
 So when the best candidate misses rounds, the planner climbs: from the best simulated
 candidate of each pair of degrees it moves one replica at a time from one phase to the
@@ -14,8 +13,7 @@ other - the freed GPUs to as many replicas of the other phase as fit - and keeps
 while the whole-system simulation's SLO attainment rises, looking ``PATIENCE`` steps past
 a worse one: attainment need not be smooth in the split (a replica more or less changes
 where rounds are routed), though on the traces measured so far each climb rose
-steadily (DuReader: 39.4%, 55.7%, 65.9% on one pair of degrees; 14.6%, 36.6%, 74.3% on
-another). Pure: ``step`` says what to simulate next from a climb's
+steadily. Pure: ``step`` says what to simulate next from a climb's
 position; the caller simulates it and folds the result back with ``moved``.
 """
 

@@ -159,8 +159,8 @@ def adaptive_route(ctx: RouteContext, stalls: bool = False) -> Route:
     Under vLLM's protocol a prefill worker without the session's prefix recomputes the
     whole history, so among the workers with slack we take the cheapest by Eq. 2 - in
     practice the one that served the session's last remote round - and shuffle only to
-    break ties. Simulated on ToolBench (8 H20, P TP2x3 + D TP2x1, 0.4 sessions/s),
-    taking any worker with slack reached 43.6% SLO attainment against disagg's 99.6%.
+    break ties: taking any worker with slack sends rounds to workers that recompute the
+    history, and fell far below disagg in simulation (docs/studies/policies.md).
 
     Slack is judged on the windowed statistics *and* on the task's own estimate: a
     prefill worker has TTFT slack only if Eq. 2 (its queue included) is within

@@ -32,15 +32,14 @@ recomputes (``recompute_time``). That charge is not in the paper: a request of o
 has no history, and a round of a session does. A prefill engine that lacks the session's
 history computes it again, work no engine does if the round stays local; judged by its
 own finish alone, a round sends that work to the other engine whenever that finishes it
-sooner, and at saturation every round queued behind it there pays for it. Simulated on
-DuReader at 1.5 sessions/s on two TP8 H20 engines under the P95 rule (``ampd bench
-split``), the uncharged rule reached 59.7% of rounds within the SLO against 86.0% for
-step sizing alone; charged, 99.9%. Alg. 1 as printed stays as ``dynaserve-alg1``
+sooner, and at saturation every round queued behind it there pays for it: uncharged,
+splits did worse than step sizing alone in simulation, charged better (``ampd bench
+split``, docs/studies/split.md). Alg. 1 as printed stays as ``dynaserve-alg1``
 (``alg1_route``), to compare with.
 
-Split points are whole KV blocks: the decode engine pulls whole blocks. A split the
-engines cannot run (an engine that is not the GPU-free one: vLLM's connector pulls whole
-prompts) is chosen among the two ends only: local or remote.
+Split points are whole KV blocks: the decode engine pulls whole blocks. Where the engines
+cannot run a split (one that does not register ``splits``: vLLM's connector pulls whole
+prompts), the choice is among the two ends only: local or remote.
 
 Not DynaServe's: splits inside the decode phase (alpha generating the first tokens) -
 a session's decode stays on the engine it is bound to.

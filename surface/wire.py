@@ -52,7 +52,7 @@ PREFILL_PARAMS: dict[str, Any] = {
 # ``remote_num_tokens`` says how many; a decode engine pulls those and prefills the rest.
 # vLLM 0.32 could run the first half from a prompt of token ids cut at s, but its decode
 # engine's NIXL scheduler pulls KV for the whole prompt and ignores remote_num_tokens
-# (README: "Where the GPU-free engine differs from vLLM 0.32").
+# (docs/architecture.md: where the GPU-free engine differs from vLLM 0.32).
 SPLIT_AT = "split_at"
 
 

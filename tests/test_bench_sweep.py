@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bench.sweep import sweep
-from planner.plan import ProfileBook
+from planner.plan import Judging, ProfileBook
 from planner.simulator import Pool
 from planner.trace import WORKLOADS
 
@@ -18,9 +18,9 @@ from planner.trace import WORKLOADS
 def test_every_policy_runs_at_every_rate_on_its_own_deployment():
     book = ProfileBook("llama-3.1-8b", [])
     tp1 = book.get("H100", 1)
-    slo = book.reference_slo("H100", 5.0)
+    judging = Judging(book, book.reference_slo("H100", 5.0))
     points = sweep(WORKLOADS["toolbench"], [0.5, 2.0], ["ampd", "disagg", "coloc"], (Pool(tp1, 1), Pool(tp1, 1)),
-                   Pool(tp1, 2), slo, sessions=40)  # fmt: skip
+                   Pool(tp1, 2), judging, sessions=40)  # fmt: skip
     assert [(p.rate, p.policy) for p in points] == [
         (r, policy) for r in (0.5, 2.0) for policy in ("ampd", "disagg", "coloc")
     ]
@@ -34,7 +34,7 @@ def test_every_policy_runs_at_every_rate_on_its_own_deployment():
     for policy in ("disagg", "coloc"):
         assert by[(2.0, policy)].slo_attainment_rounds <= by[(0.5, policy)].slo_attainment_rounds
     with pytest.raises(ValueError, match="unknown policies"):
-        sweep(WORKLOADS["toolbench"], [1.0], ["fifo"], (Pool(tp1, 1), Pool(tp1, 1)), Pool(tp1, 2), slo, 5)
+        sweep(WORKLOADS["toolbench"], [1.0], ["fifo"], (Pool(tp1, 1), Pool(tp1, 1)), Pool(tp1, 2), judging, 5)
 
 
 def test_the_command_writes_json_markdown_and_a_png(tmp_path):

@@ -230,7 +230,7 @@ def test_a_killed_prefill_worker_loses_no_queued_task(tmp_path):
 def test_a_client_leaving_mid_stream_aborts_the_engine_request(cluster, path):
     """The client hangs up after a few chunks: the decode worker stops generating and frees
     the request's KV, and the gateway's prefill queue is free for the next round. Chat
-    completions are served off FastAPI's routing (gateway.apis.app.GatewayApp), the Messages API
+    completions are served off FastAPI's routing (gateway.apis.app.HotPath), the Messages API
     through it: both streams notice the hang-up the same way."""
     tmp, prefix, _, decoders = cluster
     gateway = start_gateway(tmp, REDIS_URL, prefix)

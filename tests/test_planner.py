@@ -12,6 +12,7 @@ import pytest
 from perfmodel.profile import load_profile, t_kv
 from perfmodel.slo import SLO, derived_slo
 from planner.plan import (
+    Judging,
     ProfileBook,
     deployment_file,
     load_deployment,
@@ -172,7 +173,7 @@ def test_a_plan_spread_over_processes_equals_one_made_one_by_one():
     the same ranking and the same predicted rounds as one after another."""
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 60, 0.6, seed=5)
-    one, two = (plan(book, trace, {"H20": 8}, SLO_, candidates=4, jobs=jobs) for jobs in (1, 2))
+    one, two = (plan(Judging(book, SLO_), trace, {"H20": 8}, candidates=4, jobs=jobs) for jobs in (1, 2))
     assert [(o.phase, o.tp, o.replicas, o.tau) for o in one.options] == [
         (o.phase, o.tp, o.replicas, o.tau) for o in two.options
     ]
@@ -184,14 +185,15 @@ def test_a_plan_spread_over_processes_equals_one_made_one_by_one():
 def test_plan_picks_within_capacity_and_writes_the_deployment(tmp_path: Path):
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 60, 0.4, seed=2)
-    result = plan(book, trace, {"H20": 8}, SLO_, top=3, candidates=4)
+    judging = Judging(book, SLO_, policy="ampd")
+    result = plan(judging, trace, {"H20": 8}, top=3, candidates=4)
     assert 1 <= len(result.ranked) <= 3
     assert len({(r.deployment.prefill, r.deployment.decode) for r in result.ranked}) == len(result.ranked)
     for r in result.ranked:
         assert r.deployment.gpus <= 8 and r.eq5_rank >= 1
     attainments = [r.predicted.slo_attainment_rounds for r in result.ranked]
     assert attainments == sorted(attainments, reverse=True)
-    best = deployment_file(book, result.ranked[0], "ampd", SLO_)
+    best = deployment_file(judging, result.ranked[0])
     env = best.write(tmp_path / "deployment.json")
     assert load_deployment(tmp_path / "deployment.json") == best
     assert f"PREFILL_TP={best.prefill.tp}\n" in env.read_text()
@@ -201,7 +203,7 @@ def test_plan_picks_within_capacity_and_writes_the_deployment(tmp_path: Path):
 def test_heterogeneous_plan_keeps_each_type_within_its_own_capacity():
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 40, 0.3, seed=4)
-    result = plan(book, trace, {"H20": 4, "L40": 8}, SLO_, top=3, candidates=3)
+    result = plan(Judging(book, SLO_), trace, {"H20": 4, "L40": 8}, top=3, candidates=3)
     for r in result.ranked:
         used = r.deployment.gpus_by_type()
         assert used.get("H20", 0) <= 4 and used.get("L40", 0) <= 8

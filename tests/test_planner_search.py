@@ -11,7 +11,7 @@ import pytest
 
 from perfmodel.slo import derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
-from planner.plan import ProfileBook, exhaustive, plan, search_taus, tau_families, tau_run
+from planner.plan import Judging, ProfileBook, exhaustive, plan, search_taus, tau_families, tau_run
 from planner.simulator import simulate
 from planner.split_search import Climb, shifted
 from planner.tau_search import Family, Sample, TauSearch, first_counts, search
@@ -99,12 +99,12 @@ def test_a_plan_on_simulated_taus_picks_what_every_tau_simulated_picks():
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["toolbench"], 80, 1.5, seed=7)
     slo = derived_slo(book.get("H20", 2), 5.0)
-    capacity = {"H20": 16}
-    searched = search_taus(book, trace, capacity, slo, top=5)
+    capacity, judging = {"H20": 16}, Judging(book, slo, "mean")
+    searched = search_taus(judging, trace, capacity, top=5)
     every = []
-    for f in tau_families(book, trace, capacity, slo):
+    for f in tau_families(judging, trace, capacity):
         for m in f.counts:
-            report = simulate(*tau_run(book, trace, capacity, slo, "mean", (f.phase, f.gpu, f.tp, m)))
+            report = simulate(*tau_run(judging, trace, capacity, (f.phase, f.gpu, f.tp, m)))
             tau = report.tau_prefill if f.phase == "prefill" else report.tau_decode
             if tau is not None:
                 every.append(PoolOption(f.phase, f.gpu, f.tp, m, tau))
@@ -157,9 +157,9 @@ def test_the_split_search_finds_the_best_split_eq5_misses():
     the decode engines that absorb prefills, finds the best of all configurations."""
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["dureader"], 120, 1.2, seed=3)
-    slo = book.reference_slo("H20", 3.0)
-    result = plan(book, trace, {"H20": 16}, slo, jobs=2)
-    everything = exhaustive(book, trace, result.options, {"H20": 16}, slo, "ampd", jobs=2)
+    judging = Judging(book, book.reference_slo("H20", 3.0), policy="ampd")
+    result = plan(judging, trace, {"H20": 16}, jobs=2)
+    everything = exhaustive(judging, trace, result.options, {"H20": 16}, jobs=2)
     first, best = result.ranked[0], everything[0]
     assert first.eq5_rank == 0  # found by the split search, not among Eq. 5's five
     eq5 = max(r.predicted.slo_attainment_rounds for r in result.ranked if r.eq5_rank)

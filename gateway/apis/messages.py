@@ -13,7 +13,7 @@ function tools; ``tool_choice`` auto/any/tool/none is auto/required/a named
 function/none; ``stop_sequences`` is ``stop``; ``max_tokens`` (required) stays.
 ``metadata.user_id`` names the session when nothing else does (gateway.state.sessions).
 Fields the Messages API does not define (``server_tools``, ``sim_script``, ...) pass
-through. Errors have Anthropic's shape (:func:`error_body`). Everything here is pure.
+through. Errors have Anthropic's shape (:func:`error_body`). Everything here but the routes is pure.
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.apis.relay import joined, relay, translated, upstream_api_error
 from gateway.apis.schema import APIError, validation_error
+from gateway.engines.upstream import UpstreamError
+
+MESSAGES_PATH = "/v1/messages"
 
 # Fields of a Messages request that mean nothing to chat completions (or are mapped by hand).
 MESSAGES_ONLY = frozenset({
@@ -364,3 +369,41 @@ class MessageEvents:
 
     def fail(self, error: APIError) -> list[bytes]:
         return [sse(error_body(error))]
+
+
+router = APIRouter()
+
+
+@router.post(MESSAGES_PATH)
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API; the key in ``x-api-key`` or as a Bearer token."""
+    r = relay(request)
+    scope, raw = await r.begin(request, api_key_header=True)
+    asked = parse_request(raw)
+    started = await r.start(to_chat(raw, asked), request, scope)
+    message_id, client = new_message_id(), started.client
+    if asked.stream:
+        prompt = started.first_round.plan.task.l_total
+        stream = MessageEvents(message_id, started.model, prompt, asked.stop_sequences)
+
+        def stopped() -> list[bytes]:
+            return stream.finish(client.finish_reason, client.stop_reason, client.usage)
+
+        relayed = translated(started, stream.feed, None, stopped)
+        return r.streaming(b"".join(stream.start()), relayed, joined(stream.fail), started)
+    await r.finish(started)
+    body = message_object(message_id, started.model, client.message(), client.finish_reason, client.stop_reason,
+                          asked.stop_sequences, client.usage)  # fmt: skip
+    return r.ok(body, started)
+
+
+@router.post(f"{MESSAGES_PATH}/count_tokens")
+async def count_tokens(request: Request) -> dict[str, int]:
+    """Anthropic's token counting: the prompt a Messages request would have, counted by an engine."""
+    r = relay(request)
+    _, raw = await r.begin(request, api_key_header=True)  # counted, not run: no session
+    asked = parse_request(raw, CountTokensRequest)
+    try:
+        return {"input_tokens": await r.gateway.count(to_chat(raw, asked))}
+    except UpstreamError as exc:
+        raise upstream_api_error(exc) from exc

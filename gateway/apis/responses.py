@@ -18,7 +18,7 @@ on ``/v1/chat/completions``.
 true by default) is kept in Redis - the conversation as chat messages including the
 reply, the session it ran in - for the session's TTL, under the caller's key scope
 (:class:`ResponseStore`). A request naming it continues that conversation in that same
-session. Everything here but :class:`ResponseStore` is pure: dicts in, dicts out.
+session. Everything here but :class:`ResponseStore` and the route is pure: dicts in, dicts out.
 """
 
 from __future__ import annotations
@@ -30,9 +30,12 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.apis.relay import joined, relay, translated
 from gateway.apis.schema import APIError, validation_error
+from gateway.state.outage import REDIS_DOWN
 from gateway.state.sessions import canonical_message
 
 # Fields of a Responses request that mean nothing to chat completions (or are mapped by hand).
@@ -431,3 +434,47 @@ class ResponseStore:
     async def save(self, scope: str, response_id: str, session_id: str, messages: list[dict[str, Any]]) -> None:
         record = {"session_id": session_id, "messages": messages, "created": time.time()}
         await self.redis.set(self._key(scope, response_id), json.dumps(record), ex=self.ttl_s)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API, ``previous_response_id`` included."""
+    r = relay(request)
+    store: ResponseStore = request.app.state.responses
+    scope, raw = await r.begin(request)
+    asked = parse_request(raw)
+    history, session_id = [], None
+    if asked.previous_response_id:
+        stored = await store.load(scope, asked.previous_response_id)
+        history, session_id = stored["messages"], stored["session_id"]
+    started = await r.start(to_chat(raw, asked, history), request, scope, session_id)
+    response_id, created = new_response_id(), int(time.time())
+    client = started.client
+
+    async def remember() -> None:
+        """Store the conversation after the instructions, the reply included. Without Redis
+        the answer still stands; only its continuation by ``previous_response_id`` is lost."""
+        if not asked.store:
+            return
+        messages = started.ex.client_messages[1 if asked.instructions else 0 :] + [client.message()]
+        try:
+            await store.save(scope, response_id, started.ex.session.session_id, messages)
+        except REDIS_DOWN as exc:
+            r.gateway.health.failed("response", exc)
+
+    if asked.stream:
+        events = ResponseEvents(response_id, asked, started.model, created)
+
+        def completed() -> list[bytes]:
+            return events.finish(client.usage, client.finish_reason)
+
+        relayed = translated(started, events.feed, remember, completed)
+        return r.streaming(b"".join(events.start()), relayed, joined(events.fail), started)
+    await r.finish(started)
+    await remember()
+    body = response_object(response_id, asked, started.model, created, output_items(client.message()), "completed",
+                           client.usage, client.finish_reason)  # fmt: skip
+    return r.ok(body, started)

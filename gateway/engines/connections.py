@@ -1,10 +1,10 @@
 """Kept-alive HTTP/1.1 connections from the gateway to its engines.
 
 A round's decode stream is the gateway's busiest HTTP exchange: a POST, then one body
-chunk per step of the engine. Through aiohttp's client a 32-token stream cost the
-gateway ~350 us of CPU and reached the engine's response headers ~0.35 ms later than the
-same bytes written on a plain asyncio connection
-(bench/studies/overhead_hot_path/engine_client.py). Here a request is written in one
+chunk per step of the engine. Through aiohttp's client a stream cost the gateway several
+times the CPU of the same bytes written on a plain asyncio connection, and reached the
+engine's response headers later (bench/studies/overhead_hot_path/engine_client.py,
+docs/studies/overhead.md). Here a request is written in one
 call and its response parsed by httptools (llhttp, the parser uvicorn serves with) as it
 arrives; the body's chunks reach the reader together, as they came in since it last
 looked, and a reader that falls behind stops the socket being read.

@@ -27,7 +27,7 @@ unparsable tool - gives None, and the engine is asked, as is any model whose tem
 fails to render: the engine's answer (its error included) is the one that counts.
 
 **Incremental.** Encoding a whole conversation every round would cost the gateway what
-it saves the engine (a byte-level BPE tokenizes ~1 MB/s). The tokenizer splits its input
+it saves the engine: a byte-level BPE is slow beside a round's other work. The tokenizer splits its input
 on its added tokens (``<|eot_id|>``, ``<|im_end|>``, ...) before anything else and
 tokenizes each piece between them on its own, so a prompt's count is the sum of its
 pieces' counts plus one per added token. Pieces are counted once and remembered by their

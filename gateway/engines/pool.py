@@ -136,6 +136,11 @@ class WorkerPool:
             )
         return list(self._static_infos.values())
 
+    def role_list(self) -> list[tuple[str, str]]:
+        """(worker, role) of every engine in the pool: its assignment, else the role it registered."""
+        return [(w.info.worker_id, w.assignment.role if w.assignment is not None else w.info.role)
+                for w in self.workers.values()]  # fmt: skip
+
     def models(self) -> list[str]:
         return sorted({w.info.model for w in self.workers.values()})
 

@@ -123,9 +123,10 @@ class Reply:
 
 class EngineClient:
     """Every call to an engine, over the gateway's own kept-alive connections
-    (gateway.engines.connections): aiohttp's client cost the decode stream ~0.35 ms
-    before its first byte and a fifth of the gateway's CPU at 64 streams, and httpx's pool
-    before it scanned every connection (with a readability check each) on every request."""
+    (gateway.engines.connections): aiohttp's client delayed the decode stream's first
+    byte and took a large share of the gateway's CPU under load, and httpx's pool before
+    it scanned every connection (with a readability check each) on every request
+    (docs/studies/overhead.md)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.connections = EngineConnections(KEEPALIVE_S, CONNECT_TIMEOUT_S, timeout_s)
@@ -245,8 +246,8 @@ _JSON = {"Content-Type": "application/json"}
 
 def _json(body: dict[str, Any]) -> bytes:
     """A request body for an engine. orjson, not aiohttp's ``json=`` (the standard library):
-    a later round's body carries the session's whole conversation (60 tool rounds, 50 KB:
-    198 us with the standard library, 12 us with orjson). The gateway's request parsing admits no
+    a later round's body carries the session's whole conversation, which the standard
+    library writes an order of magnitude slower. The gateway's request parsing admits no
     NaN or infinity, so both write the same values; an integer past 64 bits, which orjson
     refuses, goes the standard library's way."""
     try:

@@ -1,28 +1,21 @@
 """Redis commands of concurrent rounds sent together, one pipeline at a time (Nagle's rule).
 
 Each command a round sends alone costs this process a socket write and read, a pooled
-connection taken and given back, and a timeout armed: measured with redis-py 8.1 and
-hiredis here, ~200 us of CPU for a one-line script whether callers take turns or 64 of
-them run at once, against ~50 us a command inside a pipeline of 64. With hundreds of
-rounds in flight the gateway's Redis commands were a quarter of its CPU, four round
-trips a round.
+connection taken and given back, and a timeout armed, several times what the same
+command costs inside a pipeline. With hundreds of rounds in flight the gateway's Redis
+commands were a large share of its CPU, four round trips a round
+(docs/studies/overhead.md).
 
 So the request path's commands (a round's open, its prefill's enqueue and slot, the
 writes that close it) go out as Nagle's algorithm sends segments: a caller that finds
 nothing out sends at once, itself, and whatever arrives while something is out waits
 and goes as one pipeline as soon as it is back - the busier the gateway, the more each
 pipeline carries (ioredis' auto-pipelining, one pipeline at a time). A lone command
-costs what it did (a pipeline per command would add ~60-90 us, and its write would wait
+costs what it did (a pipeline per command would cost more, and its write would wait
 for whatever else the event loop runs first, the round's token count). Each caller gets
 its own replies or its own error; its commands stay in order and together. A caller
 that stops waiting (a client that hung up) while queued does not take its commands
 back: they will be sent.
-
-Measured (`ampd bench overhead --arms direct,ampd`, alternated with the code before,
-three runs each): CPU per request -20% at 64 streams, -13% at 256 against one pipeline
-per loop turn with several out at once, which itself was -2% / -9% against a round
-trip per command; sending a lone command at once instead of as a pipeline of one a loop
-turn later: -0.5 ms of latency added at one stream.
 
 With one thing out at a time the batch needs one connection and none of redis-py's
 command path: what it sends goes over a connection of its own (gateway.state.redis_channel).
@@ -43,8 +36,8 @@ from gateway.state.redis_channel import Command, RedisChannel, pack
 
 class PackedConnection(aioredis.Connection):
     """redis-py's asyncio connection, packing commands with hiredis' C packer as its
-    synchronous client does (``HiredisRespSerializer``) instead of in Python: 63 against
-    20 us for a 32-argument script call here, the same bytes on the wire. For the
+    synchronous client does (``HiredisRespSerializer``) instead of in Python: the same
+    bytes on the wire for a fraction of the CPU. For the
     gateway's commands that do not go through the batch (sessions read, the worker
     registry, statistics read off the request path)."""
 

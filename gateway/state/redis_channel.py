@@ -1,10 +1,10 @@
 """The request path's connection to Redis, spoken without redis-py's command path.
 
-A script call redis-py's asyncio client sends alone cost the gateway 137-144 us of CPU
-on a slow day here, and 55-60 us over this connection: an asyncio protocol that packs
-with hiredis, parses replies with hiredis' reader and keeps a queue of futures between
-the two. Inside pipelines of 16 it was 34-46 against 10-13 us a command
-(bench/studies/overhead_hot_path/redis_client.py). The difference is redis-py's layers
+A script call redis-py's asyncio client sends alone cost the gateway a few times the
+CPU it costs over this connection: an asyncio protocol that packs with hiredis, parses
+replies with hiredis' reader and keeps a queue of futures between the two; inside
+pipelines likewise (bench/studies/overhead_hot_path/redis_client.py,
+docs/studies/overhead.md). The difference is redis-py's layers
 around the socket: a connection taken from the pool
 and given back, a retry wrapper, a lock, a timeout armed per read, each reply read by
 an awaited call of its own. The batch (gateway.state.redis_batch) sends one thing at a time

@@ -45,8 +45,8 @@ return 1
 """
 
 # A task's prefill is over: free its slot and forget it, in one command - every round runs it,
-# and redis-py's CPU grows with the commands (a pipeline of the three: ~120 us a call here, this
-# script ~70 us). KEYS: inflight, task, queue. ARGV: task id. Returns the queue's length: tasks
+# and redis-py's CPU grows with the commands (a pipeline of the three costs more than this
+# script). KEYS: inflight, task, queue. ARGV: task id. Returns the queue's length: tasks
 # that may now take the slot.
 FREE = """
 redis.call('ZREM', KEYS[1], ARGV[1])

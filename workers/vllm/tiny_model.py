@@ -52,7 +52,17 @@ CORPUS = [
 ]
 
 
-def build(out: Path, vocab_size: int = 512, layers: int = 2) -> Path:
+def build(
+    out: Path,
+    vocab_size: int = 512,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+) -> Path:
+    """The model folder: the tokenizer, its config and chat template, and a Llama ``config.json``
+    of these sizes (head_dim 64, the least the CPU attention kernel takes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out.mkdir(parents=True, exist_ok=True)
@@ -82,11 +92,11 @@ def build(out: Path, vocab_size: int = 512, layers: int = 2) -> Path:
             {
                 "architectures": ["LlamaForCausalLM"],
                 "model_type": "llama",
-                "hidden_size": 256,
-                "intermediate_size": 512,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 64,
+                "hidden_size": hidden,
+                "intermediate_size": intermediate,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
+                "head_dim": hidden // heads,
                 "num_hidden_layers": layers,
                 "vocab_size": tokenizer.get_vocab_size(),
                 "max_position_embeddings": 4096,

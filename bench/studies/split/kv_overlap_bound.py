@@ -1,7 +1,7 @@
 """The most a chunked KV hand-over (transfer overlapping compute) could buy: the same
 simulations with the simulator's KV transfer time set to zero, decisions unchanged.
 
-A one-off experiment, not part of the package: it patches ``planner.simulator.t_kv``.
+A one-off experiment, not part of the package: it patches ``planner.simulator.engine_side.t_kv``.
 Each policy runs on every candidate deployment; a line gives the best attainment over
 them, with the transfer as modelled -> free, judged by the mean and the P95 ITL rule.
 
@@ -14,7 +14,7 @@ Output of the runs behind the README's table: kv_overlap_bound.txt.
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-import planner.simulator as sim
+import planner.simulator.engine_side as sim
 from bench.paper import PAPER_GPUS, colocated_candidates, disaggregated_candidates, trace_slo
 from planner.plan import ProfileBook
 from planner.simulator import SimConfig, simulate
