@@ -34,5 +34,5 @@ up: $(BIN)/.installed
 	$(BIN)/ampd up
 
 test: $(BIN)/.installed $(VLLM_VENV)/.installed
-	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest

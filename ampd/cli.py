@@ -548,6 +548,52 @@ def profile_check() -> None:
     console.print(f"mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}")
 
 
+@profile_app.command("calibrate")
+def profile_calibrate(
+    kernels: Annotated[
+        list[Path] | None,
+        typer.Option(help="kernel timings (`ampd profile kernels --out`); default: bench/results/kernels/*.json"),
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="write the fitted efficiency and the errors here (JSON)")] = None,
+) -> None:
+    """Fit the roofline's efficiencies and step overhead jointly to DOPD's Table I and kernel timings."""
+    from dataclasses import asdict
+
+    from perfmodel.calibration import FITTED, calibrate, dopd_points, kernel_points
+    from perfmodel.roofline import HOPPER_EFFICIENCY
+
+    files = kernels or sorted(Path("bench/results/kernels").glob("*.json"))
+    try:
+        points = dopd_points()
+        for path in files:
+            points += kernel_points(json.loads(path.read_text()), path.name)
+        result = calibrate(points)
+    except (OSError, KeyError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    moved = Table("figure", "shipped", "calibrated", "moved", title="the roofline's constants")
+    for name in FITTED:
+        before = getattr(HOPPER_EFFICIENCY, name)
+        before = HOPPER_EFFICIENCY.compute if before is None else before
+        after = getattr(result.efficiency, name)
+        scale, unit = (1e3, " ms") if name.endswith("_s") else (1, "")
+        moved.add_row(name, f"{before * scale:.3g}{unit}", f"{after * scale:.3g}{unit}", f"{after / before - 1:+.0%}")
+    console.print(moved)
+    table = Table("source", "points", "shipped: mean |error|, worst", "calibrated: mean |error|, worst",
+                  "within 15%", title="relative error of the roofline's price")  # fmt: skip
+    for b, a in zip(result.before, result.after, strict=True):
+        table.add_row(f"{a.source} ({'fitted' if a.fitted else 'compared'})", str(a.points),
+                      f"{b.mean_abs:.1%}, {b.worst:+.1%}", f"{a.mean_abs:.1%}, {a.worst:+.1%} ({a.worst_what})",
+                      f"{a.within_15}/{a.points}")  # fmt: skip
+    console.print(table)
+    if out is not None:
+        document = {"efficiency": result.efficiency.model_dump(), "kernels": [str(p) for p in files],
+                    "before": [asdict(e) for e in result.before],
+                    "after": [asdict(e) for e in result.after]}  # fmt: skip
+        out.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {out}")
+
+
 @profile_app.command("kernels")
 def profile_kernels(
     model: Annotated[str, typer.Option(help=f"a dense model: one of {', '.join(MODELS)}")] = "llama-3.1-8b",

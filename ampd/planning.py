@@ -88,12 +88,23 @@ def _load(trace: Path):
         raise fail(str(exc)) from exc
 
 
-def profile_book(model: str, profiles: list[Path] | None):
+def profile_book(model: str, profiles: list[Path] | None, efficiency: str = "shipped", compute: float | None = None):
+    """The profiles a command runs on: ``profiles`` given, the rest shipped or, with
+    ``efficiency`` ``calibrated`` or a ``compute`` efficiency, derived by the roofline."""
     from perfmodel.profile import load_profile
+    from perfmodel.roofline import CALIBRATED_EFFICIENCY, HOPPER_EFFICIENCY
     from planner.plan import ProfileBook
 
+    if efficiency not in ("shipped", "calibrated"):
+        raise fail("--efficiency is shipped or calibrated")
+    chosen = CALIBRATED_EFFICIENCY if efficiency == "calibrated" else None
+    if compute is not None:
+        if not 0 < compute <= 1:
+            raise fail("--compute-efficiency is a fraction of peak, in (0, 1]")
+        base = chosen or HOPPER_EFFICIENCY
+        chosen = base.model_copy(update={"compute": compute, "source": f"{base.source}; compute set to {compute:g}"})
     try:
-        return ProfileBook(model, [load_profile(p) for p in profiles or []])
+        return ProfileBook(model, [load_profile(p) for p in profiles or []], chosen)
     except (OSError, ValueError) as exc:
         raise fail(str(exc)) from exc
 

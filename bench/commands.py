@@ -169,6 +169,44 @@ def bench_run(
     raise typer.Exit(run_bench(console, sessions_list, label, setup, out))
 
 
+@bench_app.command("fidelity")
+def bench_fidelity(
+    engine: Annotated[str, typer.Option(help="the real engine the simulator is checked against: vllm")] = "vllm",
+    sessions: Annotated[int, typer.Option(help="sessions per run")] = 24,
+    light_rate: Annotated[float, typer.Option(help="sessions per second at the light load")] = 0.05,
+    loaded_rate: Annotated[float, typer.Option(help="sessions per second at the loaded rate")] = 0.2,
+    runs: Annotated[int, typer.Option(help="runs of each policy at each load (each its own trace seed)")] = 3,
+    policies: Annotated[str, typer.Option(help="comma-separated: coloc, ampd, disagg")] = "coloc,ampd,disagg",
+    loads: Annotated[str, typer.Option(help="comma-separated: light, loaded")] = "light,loaded",
+    workload: Annotated[str, typer.Option(help="trace shape: toolbench, gaia, hotpotqa or dureader")] = "toolbench",
+    seed: int = 0,
+    profile: Annotated[
+        Path | None, typer.Option(help="the engines' measured profile (else `ampd profile --worker` measures it first)")
+    ] = None,
+    python: Annotated[str, typer.Option(envvar="AMPD_VLLM_PYTHON", help="the interpreter vLLM is installed in")] = "",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/11",
+    work_dir: Annotated[Path, typer.Option(help="the model folder, profile and logs")] = Path(".ampd/fidelity"),
+    out: Annotated[Path | None, typer.Option(help="write the rows as JSON here")] = None,
+) -> None:
+    """The simulator against real vLLM engines (its CPU build, two engines on two cores): a
+    multi-round trace live through the gateway per policy and load, next to the same rounds simulated."""
+    from bench.fidelity import LOADS, POLICIES, FidelitySetup, run_fidelity
+    from planner.trace import WORKLOADS
+
+    chosen, levels = tuple(p for p in policies.split(",") if p), tuple(x for x in loads.split(",") if x)
+    if engine != "vllm":
+        raise fail("the fidelity bench checks the simulator against vLLM (--engine vllm); the GPU-free engine's "
+                   "is `ampd bench run`")  # fmt: skip
+    if not chosen or set(chosen) - set(POLICIES) or not levels or set(levels) - set(LOADS):
+        raise fail(f"policies: some of {', '.join(POLICIES)}; loads: some of {', '.join(LOADS)}")
+    if workload not in WORKLOADS or sessions < 1 or runs < 1 or min(light_rate, loaded_rate) <= 0:
+        raise fail(f"a workload of {', '.join(WORKLOADS)}, at least one session and run, and positive rates")
+    setup = FidelitySetup(sessions=sessions, light_rate=light_rate, loaded_rate=loaded_rate, runs=runs,
+                          workload=workload, seed=seed, policies=chosen, loads=levels, profile=profile,
+                          out_dir=work_dir, redis_url=redis_url, vllm_python=python)  # fmt: skip
+    raise typer.Exit(run_fidelity(console, setup, out))
+
+
 @bench_app.command("simulate")
 def bench_simulate(
     sessions: int = 10_000,
@@ -247,6 +285,12 @@ def bench_paper(
         bool, typer.Option(help="also chunked prefill on the decode workers, at ToolBench's and HotpotQA's knees")
     ] = True,
     seed: int = 0,
+    efficiency: Annotated[
+        str, typer.Option(help="the roofline's constants: shipped, or calibrated (`ampd profile calibrate`)")
+    ] = "shipped",
+    compute_efficiency: Annotated[
+        float | None, typer.Option(help="the GEMM efficiency the profiles are derived at (a sensitivity sweep)")
+    ] = None,
     out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNGs go")] = Path("bench/results/paper"),
 ) -> None:
     """The paper's comparison as a grid of ITL rules x SLO scales: every policy on its best deployment (simulated)."""
@@ -276,7 +320,7 @@ def bench_paper(
         if not rule_list or any(r not in ITL_RULES for r in rule_list):
             raise ValueError(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
         cells = [Cell(r, float(x)) for r in rule_list for x in scales.split(",") if x]  # type: ignore[arg-type]
-        book = profile_book(model, profile)
+        book = profile_book(model, profile, efficiency, compute_efficiency)
         counts = {w: sessions or DEFAULT_SESSIONS[w] for w in PAPER_GPUS}
         slos = {(w, c.scale): trace_slo(book, gpu, w, c.scale) for w in names for c in cells}
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

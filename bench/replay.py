@@ -1,19 +1,30 @@
 """Replay a trace against a live gateway as agent sessions would.
 
 Each session starts at its arrival time (divided by the workers' speed-up), sends a
-round, reads the streamed reply, waits its tool latency, answers the tool call with a
-tool message of the trace's size, and sends the next round - the loop an agent
-framework runs. The GPU-free engine's ``sim_script`` makes each round's output length
-and tool call exactly the trace's, and its word-level tokenizer makes an n-word text n
-tokens, so the live run and planner.simulator see the same work.
+round, reads the streamed reply, waits its tool latency, answers with a message of the
+trace's size, and sends the next round - the loop an agent framework runs. How a round
+asks its engine for exactly the trace's work is the engines' :class:`Dialect`:
+
+* the GPU-free engine (:class:`SimDialect`): its ``sim_script`` makes each round's output
+  length and tool call the trace's, and its word-level tokenizer makes an n-word text n
+  tokens, so the answer is a tool message;
+* vLLM serving a byte-level test model (:class:`VllmDialect`, workers.vllm.tiny_model):
+  ``max_tokens`` with ``ignore_eos`` makes the output length the trace's, and sampling
+  only among letters and the space (``allowed_token_ids``) makes the reply text the
+  tokens it was generated as, so the next round's prompt extends the last one's prompt
+  and output exactly, as an agent's conversation does; an n-letter text is n tokens.
+  Random weights call no tools, so the answer is a user message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
+import string
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -40,6 +51,7 @@ class LiveRound:
     p95_itl_s: float | None  # over the gaps between the deltas it streamed (see with_gateway_tails)
     max_itl_s: float | None
     tokens: int  # completion tokens (EOS included)
+    gaps: tuple[float, ...] = ()  # between the deltas it streamed, as the client received them
 
     def itl(self, rule: ItlRule) -> float | None:
         return {"mean": self.mean_itl_s, "p95": self.p95_itl_s, "max": self.max_itl_s}[rule]
@@ -48,6 +60,59 @@ class LiveRound:
 def words(session: int, round_index: int, n: int) -> str:
     """``n`` tokens of text unique to the session (one word = one token for the sim tokenizer)."""
     return " ".join(f"s{session}r{round_index}w{i}" for i in range(n))
+
+
+class Dialect(Protocol):
+    """How a round asks its engine for the trace's work."""
+
+    def text(self, session: int, round_index: int, n: int) -> str:
+        """``n`` tokens of text unique to the session's round."""
+        ...
+
+    def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
+        """The round's chat request (streamed, with usage)."""
+        ...
+
+    def answer(self, reply: dict, text: str) -> list[dict]:
+        """The messages that answer the reply with the next round's input."""
+        ...
+
+
+class SimDialect:
+    """The GPU-free engine's: a scripted reply and a tool result (module docstring)."""
+
+    def text(self, session: int, round_index: int, n: int) -> str:
+        return words(session, round_index, n)
+
+    def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
+        return {"messages": messages, "tools": [TOOL], "stream": True, "sim_script": _script(session),
+                "stream_options": {"include_usage": True}}  # fmt: skip
+
+    def answer(self, reply: dict, text: str) -> list[dict]:
+        return [{"role": "tool", "tool_call_id": call["id"], "content": text}
+                for call in reply.get("tool_calls") or [{"id": "none"}]]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VllmDialect:
+    """vLLM's, on a byte-level test model (module docstring). ``letters``: the ids of the
+    lowercase letters and the space, which replies are sampled from; ``salt`` makes one
+    run's texts unlike another's, so no run finds the last one's prefixes cached."""
+
+    letters: tuple[int, ...]
+    salt: str = ""
+
+    def text(self, session: int, round_index: int, n: int) -> str:
+        rng = random.Random(f"{self.salt}:{session}:{round_index}")
+        return "".join(" " if i % 6 == 5 else rng.choice(string.ascii_lowercase) for i in range(n))
+
+    def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
+        return {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": session.rounds[round_index].output_tokens, "ignore_eos": True,
+                "allowed_token_ids": list(self.letters)}  # fmt: skip
+
+    def answer(self, reply: dict, text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
 
 
 def _script(session: TraceSession) -> dict:
@@ -68,7 +133,7 @@ class Streamed:
     first_token: float | None  # first content or tool-call delta
     finished: float | None  # the chunk carrying finish_reason: the last token's arrival
     completion_tokens: int  # the engine's count (usage), EOS included
-    gaps: Gaps  # between the deltas that carried content or a tool call, and the finish
+    gaps: tuple[float, ...]  # between the deltas that carried content or a tool call, and the finish
 
 
 def agent_client(connections: int) -> aiohttp.ClientSession:
@@ -115,7 +180,7 @@ async def stream_round(client: aiohttp.ClientSession, url: str, body: dict, sess
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     if finished is not None and stamps and finished > stamps[-1]:
         stamps.append(finished)
-    gaps = Gaps.of([b - a for a, b in zip(stamps, stamps[1:], strict=False)])
+    gaps = tuple(b - a for a, b in zip(stamps, stamps[1:], strict=False))
     return Streamed(message, sent, stamps[0] if stamps else None, finished, tokens, gaps)
 
 
@@ -127,14 +192,13 @@ async def _session(
     speed: float,
     start: float,
     on_round: Callable[[LiveRound], None],
+    dialect: Dialect,
 ) -> list[LiveRound]:
     await asyncio.sleep(max(0.0, start + session.arrival_s / speed - time.perf_counter()))
-    messages: list[dict] = [{"role": "user", "content": words(index, 0, session.rounds[0].input_tokens)}]
-    script, out = _script(session), []
+    messages: list[dict] = [{"role": "user", "content": dialect.text(index, 0, session.rounds[0].input_tokens)}]
+    out: list[LiveRound] = []
     for k, spec in enumerate(session.rounds):
-        body = {"messages": messages, "tools": [TOOL], "stream": True, "sim_script": script,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        got = await stream_round(client, url, body, session.session_id)
+        got = await stream_round(client, url, dialect.body(messages, session, k), session.session_id)
         if got.first_token is None or got.finished is None:
             raise RuntimeError(f"round {k} of {session.session_id} streamed no tokens")
         # Per token, as the gateway and the simulator count it: the engine's tokens, not the
@@ -142,29 +206,34 @@ async def _session(
         gaps = got.completion_tokens - 1
         itl = (got.finished - got.first_token) / gaps if gaps > 0 else None
         ttft = got.first_token - got.sent
-        out.append(LiveRound(session.session_id, k, ttft, itl, got.gaps.p95_s, got.gaps.max_s, got.completion_tokens))
+        tail = Gaps.of(got.gaps)
+        out.append(LiveRound(session.session_id, k, ttft, itl, tail.p95_s, tail.max_s, got.completion_tokens, got.gaps))
         on_round(out[-1])
         message = got.message
         messages = [*messages, message]
         if k + 1 == len(session.rounds):
             break
         await asyncio.sleep(spec.tool_latency_s / speed)
-        result = words(index, k + 1, session.rounds[k + 1].input_tokens)
-        for call in message.get("tool_calls") or [{"id": "none"}]:
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        messages += dialect.answer(message, dialect.text(index, k + 1, session.rounds[k + 1].input_tokens))
     return out
 
 
 async def replay(
-    url: str, sessions: Sequence[TraceSession], speed: float, on_round: Callable[[LiveRound], None] = lambda _: None
+    url: str,
+    sessions: Sequence[TraceSession],
+    speed: float,
+    on_round: Callable[[LiveRound], None] = lambda _: None,
+    dialect: Dialect | None = None,
 ) -> list[LiveRound]:
-    """Every session of the trace against the gateway at ``url``; ``on_round`` hears of each
-    round as it completes (a progress bar)."""
+    """Every session of the trace against the gateway at ``url``, asked in the engines'
+    ``dialect`` (the GPU-free engine's by default); ``on_round`` hears of each round as it
+    completes (a progress bar)."""
+    dialect = dialect or SimDialect()
     async with agent_client(len(sessions) + 8) as client:
         start = time.perf_counter() + 0.5
         first = min(s.arrival_s for s in sessions)
         shifted = [s.model_copy(update={"arrival_s": s.arrival_s - first}) for s in sessions]
-        runs = (_session(client, url, i, s, speed, start, on_round) for i, s in enumerate(shifted))
+        runs = (_session(client, url, i, s, speed, start, on_round, dialect) for i, s in enumerate(shifted))
         results = await asyncio.gather(*runs)
     return [r for rounds in results for r in rounds]
 

@@ -125,7 +125,7 @@ class RoundRunner:
     def _candidate(self, worker: LiveWorker) -> Candidate:
         info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
         return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk,
-                         colocates=mixed, splits=worker.info.splits)  # fmt: skip
+                         colocates=mixed, splits=info.splits, node=info.node)  # fmt: skip
 
     # -- the round ----------------------------------------------------------------------
     async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:

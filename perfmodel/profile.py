@@ -46,6 +46,9 @@ class Efficiency(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     compute: float = Field(gt=0, le=1, description="fraction of peak FLOP/s in large GEMMs")
+    compute_fp8: float | None = Field(
+        default=None, gt=0, le=1, description="fraction of FP8 peak in FP8 GEMMs; None: as `compute`"
+    )
     attention: float = Field(gt=0, le=1, description="fraction of peak FLOP/s in prefill attention")
     memory: float = Field(gt=0, le=1, description="fraction of HBM bandwidth achieved")
     interconnect: float = Field(gt=0, le=1, description="fraction of NVLink bandwidth in all-reduce")
@@ -55,6 +58,11 @@ class Efficiency(BaseModel):
     kv_transfer_latency_s: float = Field(ge=0, description="fixed cost of one KV transfer")
     source: str
 
+    def compute_for(self, dtype: str) -> float:
+        """The GEMM efficiency for weights of ``dtype``: FP8 GEMMs reach a different share of
+        their (twice as high) peak than BF16 ones."""
+        return self.compute_fp8 if dtype == "fp8" and self.compute_fp8 is not None else self.compute
+
 
 class CostPieces(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -62,7 +70,8 @@ class CostPieces(BaseModel):
     forward: PiecewiseLinear
     prefill_attention: PiecewiseLinear
     context_read: PiecewiseLinear
-    kv_transfer: PiecewiseLinear
+    kv_transfer: PiecewiseLinear  # between servers: over each rank's NIC
+    kv_transfer_node: PiecewiseLinear | None = None  # within a server (NVLink); None: as between them
 
 
 class Profile(BaseModel):
@@ -131,17 +140,21 @@ class Profile(BaseModel):
         path.write_text(self.model_dump_json(indent=2) + "\n")
 
 
-def t_kv(tokens: int, src: Profile, dst: Profile) -> float:
+def t_kv(tokens: int, src: Profile, dst: Profile, same_node: bool = False) -> float:
     """AMPD's T_kv(l; theta_src, theta_dst): seconds to move the KV of ``tokens`` tokens.
 
-    Every TP rank holds a slice of the KV heads and ranks transfer in parallel, one NIC
+    Every TP rank holds a slice of the KV heads and ranks transfer in parallel, one link
     each, so min(tp_src, tp_dst) links share the bytes (the resharding of the multi-vendor P/D paper,
-    section III, done by the side with fewer ranks). The slower end bounds the time.
+    section III, done by the side with fewer ranks). The slower end bounds the time. Between
+    engines of one server (``same_node``) the path is the server's GPU interconnect
+    (NVLink), where both profiles price it; else each rank's NIC.
     """
     if tokens <= 0:
         return 0.0
     links = min(src.tp, dst.tp)
     per_link = tokens * src.model.kv_bytes_per_token / links
+    if same_node and src.pieces.kv_transfer_node is not None and dst.pieces.kv_transfer_node is not None:
+        return max(src.pieces.kv_transfer_node(per_link), dst.pieces.kv_transfer_node(per_link))
     return max(src.pieces.kv_transfer(per_link), dst.pieces.kv_transfer(per_link))
 
 

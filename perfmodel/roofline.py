@@ -42,6 +42,26 @@ HOPPER_EFFICIENCY = Efficiency(
     ),
 )
 
+# The same figures fitted jointly to DOPD's Table I and the project's kernel timings
+# (perfmodel.calibration; `ampd profile calibrate`), engine overhead apart from kernel time.
+CALIBRATED_EFFICIENCY = HOPPER_EFFICIENCY.model_copy(
+    update={
+        "compute": 0.603,
+        "compute_fp8": 0.438,
+        "attention": 0.75,
+        "memory": 0.90,
+        "step_overhead_s": 6.92e-3,
+        "source": (
+            "compute (BF16 GEMMs) and attention fitted to kernel prefills of 256-8192 tokens timed on "
+            "H100 and H200 (Llama-3.1-8B, Llama-3.1-70B at TP 2/4/8 shard shapes; kernel time only), "
+            "FP8 GEMMs, HBM bandwidth and the fixed step overhead to DOPD Table I (Llama-3.3-70B-FP8 "
+            "on one H100, whole engine steps), jointly: `ampd profile calibrate`; attention is at its "
+            "bound (0.75, FlashAttention-3's best) and memory at its (0.9 of the datasheet). The other "
+            "figures are HOPPER_EFFICIENCY's"
+        ),
+    }
+)
+
 DEFAULT_MEMORY = MemoryPlan()
 
 # Sample grids and knots: geometric, covering what one engine step or transfer can see.
@@ -50,10 +70,30 @@ _TOKEN_KNOTS = [2.0**k for k in range(1, 16)]
 
 
 def _forward_seconds(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency, tokens: float) -> float:
-    peak = gpu.peak_flops[model.weight_dtype] * eff.compute * tp
+    return (
+        eff.step_overhead_s
+        + forward_kernel_seconds(model, gpu, tp, eff, tokens)
+        + allreduce_seconds(model, gpu, tp, eff, tokens)
+    )
+
+
+def forward_kernel_seconds(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency, tokens: float) -> float:
+    """One rank's GEMMs over ``tokens`` tokens: the longer of their math and their weight
+    reads, without the step's fixed overhead or the all-reduces between ranks."""
+    peak = gpu.peak_flops[model.weight_dtype] * eff.compute_for(model.weight_dtype) * tp
     math_s = model.matmul_flops_per_token * tokens / peak
     memory_s = model.weights_read_bytes(int(tokens)) / (gpu.hbm_bandwidth * eff.memory * tp)
-    return eff.step_overhead_s + max(math_s, memory_s) + allreduce_seconds(model, gpu, tp, eff, tokens)
+    return max(math_s, memory_s)
+
+
+def prefill_attention_seconds_per_pair(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency) -> float:
+    """Causal attention's cost per (query, key) pair of a prefill, on one rank's heads."""
+    return model.attention_flops_per_pair / (gpu.peak_flops[model.weight_dtype] * eff.attention * tp)
+
+
+def context_read_seconds_per_token(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency) -> float:
+    """Decode attention's cost per token of context: one rank reads its share of the KV."""
+    return model.kv_bytes_per_token_per_rank(tp) / (gpu.hbm_bandwidth * eff.memory)
 
 
 def allreduce_seconds(model: ModelSpec, gpu: GPUSpec, tp: int, eff: Efficiency, tokens: float) -> float:
@@ -71,7 +111,7 @@ def _ridge(model: ModelSpec, gpu: GPUSpec, eff: Efficiency) -> float:
 
     A knot there lets the fit follow the roofline's kink exactly (dense models).
     """
-    flops = gpu.peak_flops[model.weight_dtype] * eff.compute
+    flops = gpu.peak_flops[model.weight_dtype] * eff.compute_for(model.weight_dtype)
     bandwidth = gpu.hbm_bandwidth * eff.memory
     for tokens in np.geomspace(1, 65536, 2000):
         if model.matmul_flops_per_token * tokens / flops >= model.weights_read_bytes(int(tokens)) / bandwidth:
@@ -94,15 +134,18 @@ def roofline_profile(
 ) -> Profile:
     seconds = [_forward_seconds(model, gpu, tp, efficiency, t) for t in _TOKEN_GRID]
     forward = fit_piecewise(_TOKEN_GRID, seconds, knots=_TOKEN_KNOTS + [_ridge(model, gpu, efficiency)], unit="tokens")
-    attention_flops = gpu.peak_flops[model.weight_dtype] * efficiency.attention * tp
-    read_bandwidth = gpu.hbm_bandwidth * efficiency.memory
     pieces = CostPieces(
         forward=forward,
-        prefill_attention=_linear("query-key pairs", model.attention_flops_per_pair / attention_flops),
-        context_read=_linear("tokens", model.kv_bytes_per_token_per_rank(tp) / read_bandwidth),
+        prefill_attention=_linear("query-key pairs", prefill_attention_seconds_per_pair(model, gpu, tp, efficiency)),
+        context_read=_linear("tokens", context_read_seconds_per_token(model, gpu, tp, efficiency)),
         kv_transfer=_linear(
             "bytes",
             1.0 / (gpu.network_bandwidth * efficiency.network),
+            alpha=efficiency.kv_transfer_latency_s,
+        ),
+        kv_transfer_node=_linear(
+            "bytes",
+            1.0 / (gpu.intra_node_bandwidth * efficiency.interconnect),
             alpha=efficiency.kv_transfer_latency_s,
         ),
     )
@@ -137,8 +180,11 @@ def paper_profiles() -> list[Profile]:
     return out
 
 
-def roofline_kv_transfer(gpu: GPUSpec) -> PiecewiseLinear:
-    """The roofline's T_kv piece (HOPPER_EFFICIENCY), for profiles measured without a prefill worker."""
+def roofline_kv_transfer(gpu: GPUSpec, node: bool = False) -> PiecewiseLinear:
+    """The roofline's T_kv piece (HOPPER_EFFICIENCY) between servers, or within one (``node``):
+    for the path a profile did not measure."""
     eff = HOPPER_EFFICIENCY
-    beta = 1.0 / (gpu.network_bandwidth * eff.network)
-    return PiecewiseLinear(unit="bytes", pieces=[Piece(upto=None, alpha=eff.kv_transfer_latency_s, beta=beta)])
+    bandwidth = gpu.intra_node_bandwidth * eff.interconnect if node else gpu.network_bandwidth * eff.network
+    return PiecewiseLinear(
+        unit="bytes", pieces=[Piece(upto=None, alpha=eff.kv_transfer_latency_s, beta=1.0 / bandwidth)]
+    )

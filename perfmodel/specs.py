@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-Dtype = Literal["bf16", "fp16", "fp8"]
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
+Dtype = Literal["bf16", "fp16", "fp8", "fp32"]  # fp32: vLLM's CPU build, where bf16 kernels are slow
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1, "fp32": 4}
 
 
 class _Spec(BaseModel):
@@ -135,4 +135,5 @@ class GPUSpec(_Spec):
     peak_flops: dict[Dtype, float] = Field(description="dense tensor-core FLOP/s per dtype")
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per GPU, one direction (NVLink)")
     network_bandwidth: float = Field(gt=0, description="bytes/s per GPU for KV transfer (RDMA NIC)")
+    gpus_per_node: int = Field(default=8, ge=1, description="GPUs a server holds, joined by intra_node_bandwidth")
     source: str

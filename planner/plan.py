@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
-from perfmodel.profile import PROFILES_DIR, Profile, load_profile
+from perfmodel.profile import PROFILES_DIR, Efficiency, Profile, load_profile
 from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
 from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
@@ -77,12 +77,15 @@ def parse_pool(spec: str) -> tuple[int, int]:
 
 
 class ProfileBook:
-    """Profiles by (GPU type, TP degree): given files first, then shipped, then derived."""
+    """Profiles by (GPU type, TP degree): given files first, then shipped, then derived. With
+    an ``efficiency``, every profile not given is derived by the roofline at it (the
+    calibrated constants, or a sweep of one of them), none shipped."""
 
-    def __init__(self, model: str, given: Sequence[Profile] = ()) -> None:
+    def __init__(self, model: str, given: Sequence[Profile] = (), efficiency: Efficiency | None = None) -> None:
         if model not in MODELS:
             raise ValueError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
         self.model = MODELS[model]
+        self.efficiency = efficiency
         self._given = {(p.gpu.name, p.tp): p for p in given if p.model.name == model}
         self._cache: dict[tuple[str, int], Profile] = {}
 
@@ -97,11 +100,13 @@ class ProfileBook:
             elif tp not in self.feasible(gpu):
                 raise ValueError(f"{self.model.name} does not fit TP={tp} on {gpu} (weights plus a full-length KV)")
             else:
-                name = profile_name(self.model, GPUS[gpu], tp)
-                shipped = PROFILES_DIR / f"{name}.json"
-                self._cache[key] = (
-                    load_profile(shipped) if shipped.exists() else roofline_profile(self.model, GPUS[gpu], tp)
-                )
+                shipped = PROFILES_DIR / f"{profile_name(self.model, GPUS[gpu], tp)}.json"
+                if self.efficiency is not None:
+                    self._cache[key] = roofline_profile(self.model, GPUS[gpu], tp, self.efficiency)
+                elif shipped.exists():
+                    self._cache[key] = load_profile(shipped)
+                else:
+                    self._cache[key] = roofline_profile(self.model, GPUS[gpu], tp)
         return self._cache[key]
 
     def reference_slo(self, gpu: str, scale: float, prompt_tokens: int = REFERENCE_PROMPT_TOKENS) -> SLO:

@@ -55,6 +55,7 @@ class Candidate:
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
     colocates: bool = False  # its sessions' rounds all prefill on it (a mixed engine: rounds.roles)
     splits: bool = True  # it runs split requests (rounds.split_point)
+    node: str = ""  # the server it sits on: KV moves over the server's interconnect within one ("": unknown)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Signals:
         return WorkerView(
             worker.worker_id, worker.profile, worker.speed, queue_cost=self.queue_cost(worker.worker_id),
             active_tokens=max(0, self.active_tokens.get(worker.worker_id, 0)), token_budget=worker.token_budget,
-            prefill_chunk=worker.prefill_chunk, splits=worker.splits, **kw,
+            prefill_chunk=worker.prefill_chunk, splits=worker.splits, node=worker.node, **kw,
         )  # fmt: skip
 
 

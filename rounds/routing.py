@@ -64,6 +64,11 @@ class WorkerView:
     token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
     splits: bool = True  # it runs split requests (rounds.split_point): the GPU-free engine does, vLLM does not
+    node: str = ""  # the server it sits on ("": unknown)
+
+    def same_node(self, other: WorkerView) -> bool:
+        """Whether KV between the two moves within one server (over its GPU interconnect)."""
+        return self.node != "" and self.node == other.node
 
     def t_pre(self, l_hist: int, l_incr: int) -> float:
         return self.profile.t_pre_chunked(l_hist, l_incr, self.prefill_chunk) / self.speed
@@ -129,7 +134,8 @@ def remote_work(task: PrefillTask, prefill: WorkerView, decode: WorkerView, end:
     """Eq. 2 without the queue: compute what i lacks, and d pulls what it lacks (vLLM's protocol)
     - of the prompt, or of its first ``end`` tokens (a split's first part)."""
     end = task.l_total if end is None else end
-    transfer = t_kv(end - task.l_hist, prefill.profile, decode.profile) / min(prefill.speed, decode.speed)
+    transfer = t_kv(end - task.l_hist, prefill.profile, decode.profile, prefill.same_node(decode))
+    transfer /= min(prefill.speed, decode.speed)
     return remote_compute(task, prefill, end) + transfer
 
 

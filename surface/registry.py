@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode", "both"]
 HEARTBEAT_TTL_S = 10.0
+NODE_ENV = "AMPD_NODE"
 # After a failed beat, try again soon rather than a third of the TTL later: a Redis that
 # comes back empty (restarted) should list the worker again within a moment.
 RETRY_AFTER_FAILURE_S = 0.25
@@ -52,6 +54,7 @@ class WorkerInfo:
     draining: bool = False
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (vLLM's long_prefill_token_threshold)
     splits: bool = False  # prefills a prompt's head alone (``split_at``): DynaServe's micro-requests
+    node: str = ""  # the server it runs on (node_name): KV moves over the server's GPU interconnect within one
 
     @property
     def decodes(self) -> bool:
@@ -79,7 +82,15 @@ class WorkerInfo:
             draining=fields.get("draining") == "True",
             prefill_chunk=int(fields.get("prefill_chunk", 0)),
             splits=fields.get("splits") == "True",
+            node=fields.get("node", ""),
         )
+
+
+def node_name(advertise_host: str) -> str:
+    """The server an engine runs on, as gateways compare it: ``AMPD_NODE`` where the
+    deployment names it (Kubernetes' node name; one GPU host's containers under compose),
+    else the host it is reached at."""
+    return os.environ.get(NODE_ENV) or advertise_host
 
 
 def reachable_host(listen_host: str) -> str:

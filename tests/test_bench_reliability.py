@@ -20,11 +20,12 @@ def test_a_short_load_run_loses_no_round_and_reports_memory_and_added_latency(tm
     code = run_load_bench(Console(file=(tmp_path / "console.txt").open("w")), 40, 0.4, 0.2, 10.0, "coloc", shape, out)
     report = json.loads(out.read_text())
     direct, gateway = report["arms"]
-    assert code == 0, report
+    # What the bench's verdict (its exit code) rests on, one by one, so a failure names its cause.
+    assert gateway["errors"] == {} and direct["errors"] == {}, (gateway["errors"], direct["errors"])
+    assert gateway["lost_rounds"] == gateway["duplicated_rounds"] == gateway["unverified_sessions"] == 0, gateway
+    assert report["gateway_requests_counted"].get("200") == gateway["rounds_ok"], report["gateway_requests_counted"]
+    assert code == 0
     assert gateway["rounds_ok"] > 100
-    assert gateway["lost_rounds"] == gateway["duplicated_rounds"] == gateway["unverified_sessions"] == 0
-    assert gateway["errors"] == {} and direct["errors"] == {}
-    assert report["gateway_requests_counted"]["200"] == gateway["rounds_ok"]
     rss = report["gateway_rss_mib"]
     assert 20 < rss["start"] <= rss["max"] and rss["end"] <= rss["max"]
     assert report["added_ttft_p99_ms"] == gateway["ttft_p99_ms"] - direct["ttft_p99_ms"]

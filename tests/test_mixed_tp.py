@@ -60,9 +60,11 @@ def test_kv_moves_between_tp_degrees_and_costs_the_pairs_t_kv(engines, source, t
     hits = "vllm:prefix_cache_hits_total"
     assert after[hits] == before[hits]  # nothing was local: it all came over
 
-    # The pull took at least the pair's T_kv: the H100 side alone would move the same bytes
-    # over four links at twice the bandwidth, in a third of the time.
+    # The pull took at least the pair's T_kv within one server (both engines run on this
+    # host): the H100 side alone would move the same bytes over four NVLink links, many
+    # times faster than the L40's PCIe.
     pulled = reply["usage"]["prompt_tokens"]  # every block, the last partial one included
-    modelled = t_kv(pulled, src, dst) / SPEED
-    assert modelled > 2 * t_kv(pulled, engines["llama-3.1-8b_h100_tp4"][1], engines["llama-3.1-8b_h100_tp4"][1]) / SPEED
-    assert after[PULL_SECONDS] - before[PULL_SECONDS] >= modelled
+    modelled = t_kv(pulled, src, dst, same_node=True) / SPEED
+    h100 = engines["llama-3.1-8b_h100_tp4"][1]
+    assert modelled > 2 * t_kv(pulled, h100, h100, same_node=True) / SPEED
+    assert after[PULL_SECONDS] - before[PULL_SECONDS] >= modelled - 1e-3  # uvloop's clock ticks in milliseconds

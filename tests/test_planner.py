@@ -78,7 +78,7 @@ def test_an_unloaded_remote_round_costs_exactly_what_the_profiles_say():
     sim = Simulation(config, one_round(1000, 20))
     sim.run()
     (record,) = sim.records
-    expected_ttft = TP2.t_pre(0, 1000) + t_kv(1000, TP2, TP4) + TP4.t_pre(999, 1)
+    expected_ttft = TP2.t_pre(0, 1000) + t_kv(1000, TP2, TP4, same_node=True) + TP4.t_pre(999, 1)  # one server
     assert record.route == "remote"
     assert record.prefill_s == pytest.approx(TP2.t_pre(0, 1000))
     assert record.ttft_s == pytest.approx(expected_ttft)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import numpy as np
 from rich.table import Table
@@ -184,10 +185,11 @@ def fit(
     produce costs that fall as work grows. ``ratios`` overrides the knot spacing per
     piece (keys forward, prefill_attention, context_read, kv_transfer).
 
-    kv_transfer is fitted separately on bytes per link (the prefill worker is assumed
-    to have the same model and TP degree). Without transfer samples, kv_transfer is the
-    roofline's. The report gives each piece's max and mean relative error of the whole
-    prediction on the samples that exercise it.
+    The KV transfer is fitted separately on bytes per link (the prefill worker is assumed
+    to have the same model and TP degree), as the path it was measured on: kv_transfer_node
+    where the two engines share a server (one host), else kv_transfer; the path not measured,
+    and both without transfer samples, is the roofline's. The report gives each piece's max
+    and mean relative error of the whole prediction on the samples that exercise it.
     """
     if len(measurements.prefill) < 2 or not measurements.decode:
         raise ValueError("need at least two prefill samples and one decode sample")
@@ -217,16 +219,22 @@ def fit(
         notes.append(f"{len(measurements.transfer) - len(transfer)} transfer samples <= 0 s dropped")
     per_link = [s.tokens * model.kv_bytes_per_token / tp for s in transfer]
     kv_measured = len({s.tokens for s in transfer}) >= 2
+    one_server = measurements.prefill_url is not None and _host(measurements.url) == _host(measurements.prefill_url)
     if kv_measured:
         distinct = len(set(per_link))
         kv_knots = geometric_knots(per_link, ratios["kv_transfer"]) if distinct >= 5 else []
         kv = fit_piecewise(per_link, [s.seconds for s in transfer], kv_knots, unit="bytes")
+        other = roofline_kv_transfer(gpu, node=not one_server)
+        notes.append(f"KV transfer measured {'within one server' if one_server else 'between servers'}; "
+                     f"{'between servers' if one_server else 'within one'}: the roofline's")  # fmt: skip
     else:
         kv_knots = []
-        kv = roofline_kv_transfer(gpu)
+        kv, other = roofline_kv_transfer(gpu), roofline_kv_transfer(gpu, node=True)
         notes.append("kv_transfer not measured (no prefill worker): the roofline's")
+    node_kv, network_kv = (kv, other) if kv_measured and one_server else (other, kv)
 
-    pieces = CostPieces(forward=forward, prefill_attention=attention, context_read=read, kv_transfer=kv)
+    pieces = CostPieces(forward=forward, prefill_attention=attention, context_read=read, kv_transfer=network_kv,
+                        kv_transfer_node=node_kv)  # fmt: skip
     draft = Profile(
         name=name,
         method="measured",
@@ -261,14 +269,20 @@ def fit(
         notes=tuple(notes),
     )
     errors = {p.piece: p.max_rel_error for p in report.pieces}
+    measured_kv = kv.model_copy(update={"max_rel_error": errors["kv_transfer"] if kv_measured else None})
     pieces = CostPieces(
         forward=forward.model_copy(update={"max_rel_error": errors["forward"]}),
         prefill_attention=attention.model_copy(update={"max_rel_error": errors["prefill_attention"]}),
         context_read=read.model_copy(update={"max_rel_error": errors["context_read"]}),
-        kv_transfer=kv.model_copy(update={"max_rel_error": errors["kv_transfer"] if kv_measured else None}),
+        kv_transfer=network_kv if kv_measured and one_server else measured_kv,
+        kv_transfer_node=measured_kv if kv_measured and one_server else node_kv,
     )
     profile = draft.model_copy(update={"pieces": pieces, "notes": _notes(measurements, report)})
     return profile, report
+
+
+def _host(url: str) -> str | None:
+    return urlsplit(url).hostname
 
 
 def _notes(m: Measurements, report: FitReport) -> str:

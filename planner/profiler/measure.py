@@ -63,9 +63,11 @@ from surface import wire
 Progress = Callable[[str], None]
 
 STATS_WAIT_S = 10.0  # how long an engine may take to publish a request's stats
-# Random prompt tokens come from this id range: ordinary tokens in every catalogued
-# vocabulary (>= 32000 entries), never the low special ids.
-TOKEN_IDS = (1000, 30000)
+# Ordinary text the served model's tokenizer splits into the ids random prompts are drawn from.
+VOCABULARY_TEXT = (
+    " ".join(f"{a}{b}{c}" for a in "bdfgklmnprstvz" for b in "aeiou" for c in "nrst") + " 0 1 2 3 4 5 6 7 8 9"
+)
+MIN_VOCABULARY = 64  # distinct ids: fewer, and two random prompts could share a cached prefix
 
 
 class ProfilerError(RuntimeError):
@@ -192,6 +194,14 @@ class _Target:
             raise ProfilerError(f"{self.url}: the stream ended without a token")
         return first - start
 
+    async def vocabulary(self) -> list[int]:
+        """The distinct ids the engine's ``/tokenize`` gives for ordinary text, special tokens left out."""
+        body = {"model": self.model, "prompt": VOCABULARY_TEXT, "add_special_tokens": False}
+        response = await self.client.post(f"{self.url}/tokenize", json=body)
+        if response.status_code != 200:
+            raise ProfilerError(f"{self.url}/tokenize: HTTP {response.status_code}: {response.text[:500]}")
+        return sorted(set(response.json()["tokens"]))
+
     async def busy(self) -> float | None:
         """The requests running or waiting on the engine; None where it publishes no metrics."""
         metrics = await self.metrics()
@@ -218,8 +228,20 @@ _JSON = {"Content-Type": "application/json"}
 KEEPALIVE_S = 1.0
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*TOKEN_IDS) for _ in range(n)]
+class Prompts:
+    """Fresh random prompts, drawn from ids the served model's own tokenizer gives for
+    ordinary text (:meth:`_Target.vocabulary`): any fixed id range is out of some model's
+    vocabulary (a dummy-weight test model's has a few hundred entries), and vLLM refuses
+    a prompt holding an id past it."""
+
+    def __init__(self, rng: random.Random, ids: list[int]) -> None:
+        if len(ids) < MIN_VOCABULARY:
+            raise ProfilerError(f"the engine's tokenizer gave {len(ids)} distinct ids for ordinary text; "
+                                f"random prompts need at least {MIN_VOCABULARY}")  # fmt: skip
+        self.rng, self.ids = rng, ids
+
+    def __call__(self, n: int) -> list[int]:
+        return self.rng.choices(self.ids, k=n)
 
 
 async def _models(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
@@ -230,7 +252,7 @@ async def _models(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
     return entry["id"], int(entry.get("max_model_len") or 0)
 
 
-async def _kv_capacity(t: _Target, rng: random.Random, max_model_len: int) -> tuple[int | None, int | None, str]:
+async def _kv_capacity(t: _Target, fresh: Prompts, max_model_len: int) -> tuple[int | None, int | None, str]:
     """(KV capacity in tokens, block size, where they came from).
 
     vLLM exports ``vllm:cache_config_info`` (labels num_gpu_blocks, block_size). Where
@@ -243,7 +265,7 @@ async def _kv_capacity(t: _Target, rng: random.Random, max_model_len: int) -> tu
         blocks, size = found
         return blocks * size, size, "vllm:cache_config_info"
     held = min(8192, max_model_len // 2)
-    usage = await _usage_while_holding(t, _tokens(rng, held))
+    usage = await _usage_while_holding(t, fresh(held))
     if usage is None or usage <= 0:
         return None, None, "unknown (no vllm:cache_config_info, no usable vllm:kv_cache_usage_perc)"
     return int(round(held / usage)), None, f"vllm:kv_cache_usage_perc while holding {held} tokens"
@@ -264,14 +286,14 @@ async def _usage_while_holding(t: _Target, prompt: list[int]) -> float | None:
     return usage
 
 
-async def _prefill_point(t: _Target, rng: random.Random, l_hist: int, l_incr: int, repeats: int) -> PrefillSample:
+async def _prefill_point(t: _Target, fresh: Prompts, l_hist: int, l_incr: int, repeats: int) -> PrefillSample:
     runs: list[float] = []
     hits: list[float] = []
     for _ in range(repeats):
-        history = _tokens(rng, l_hist)
+        history = fresh(l_hist)
         if l_hist:
             await t.complete(history)
-        timed = await t.first_token(history + _tokens(rng, l_incr))
+        timed = await t.first_token(history + fresh(l_incr))
         runs.append(timed.seconds)
         hits.append(l_hist if timed.prefix_hits is None else timed.prefix_hits)
     hit = int(statistics.median(hits))
@@ -280,7 +302,7 @@ async def _prefill_point(t: _Target, rng: random.Random, l_hist: int, l_incr: in
 
 async def _decode_point_retried(
     t: _Target,
-    rng: random.Random,
+    fresh: Prompts,
     batch: int,
     context: int,
     steady: int,
@@ -296,7 +318,7 @@ async def _decode_point_retried(
     """
     while True:
         try:
-            return await _decode_point(t, rng, batch, context, steady, max_tokens)
+            return await _decode_point(t, fresh, batch, context, steady, max_tokens)
         except ShortWindow as exc:
             if max_tokens >= limit:
                 raise
@@ -305,7 +327,7 @@ async def _decode_point_retried(
 
 
 async def _decode_point(
-    t: _Target, rng: random.Random, batch: int, context: int, steady: int, max_tokens: int
+    t: _Target, fresh: Prompts, batch: int, context: int, steady: int, max_tokens: int
 ) -> DecodeSample:
     """b concurrent streams; the gaps after the last stream's first token are pure decode steps."""
     arrivals: list[list[tuple[float, int]]] = [[] for _ in range(batch)]  # (time, completion tokens so far)
@@ -339,7 +361,7 @@ async def _decode_point(
 
     async def read(i: int) -> None:
         options = {"include_usage": True, "continuous_usage_stats": True}
-        content = t.body(_tokens(rng, context), max_tokens, stream=True, stream_options=options)
+        content = t.body(fresh(context), max_tokens, stream=True, stream_options=options)
         if over.is_set():
             return
         async with t.client.stream("POST", f"{t.url}/v1/completions", content=content, headers=_JSON) as r:
@@ -412,13 +434,13 @@ async def _decode_point(
 
 
 async def _transfer_point(
-    decode: _Target, prefill: _Target, rng: random.Random, tokens: int, repeats: int
+    decode: _Target, prefill: _Target, fresh: Prompts, tokens: int, repeats: int
 ) -> tuple[float, float, float | None]:
     """Medians of the hand-off's TTFT, of T_pre(tokens - 1, 1) and of the engine's own
     time for the pull (None where it exports none), on the decode engine, wall clock."""
     totals, recomputes, pulls = [], [], []
     for _ in range(repeats):
-        prompt = _tokens(rng, tokens)
+        prompt = fresh(tokens)
         params = (await prefill.complete(prompt, kv_transfer_params=wire.PREFILL_PARAMS)).get("kv_transfer_params")
         if not params:
             raise ProfilerError(f"{prefill.url} returned no kv_transfer_params (is it a NIXL kv_producer?)")
@@ -426,7 +448,7 @@ async def _transfer_point(
         totals.append(handoff.seconds)
         if handoff.transfer_s is not None:
             pulls.append(handoff.transfer_s)
-        other = _tokens(rng, tokens)
+        other = fresh(tokens)
         await decode.complete(other[:-1])
         recompute = await decode.first_token(other)
         if recompute.prefix_hits is not None and recompute.prefix_hits != tokens - 1:
@@ -469,8 +491,9 @@ async def measure(
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         model, max_len = await _models(client, url)
         t = _Target(client, url, model, clock)
-        await t.complete(_tokens(rng, 16))  # first-request costs are not the model's
-        capacity, block_size, source = await _kv_capacity(t, rng, max_len)
+        fresh = Prompts(rng, await t.vocabulary())
+        await t.complete(fresh(16))  # first-request costs are not the model's
+        capacity, block_size, source = await _kv_capacity(t, fresh, max_len)
         say(f"{model} at {url}: max_model_len {max_len}, KV capacity {capacity} tokens ({source})")
         m = Measurements(
             url=url,
@@ -490,7 +513,7 @@ async def measure(
             for l_incr in grid.prefill_incr:
                 if l_hist + l_incr + 1 > max_len:
                     continue
-                s = await _prefill_point(t, rng, l_hist, l_incr, grid.repeats)
+                s = await _prefill_point(t, fresh, l_hist, l_incr, grid.repeats)
                 s = s.model_copy(update={"seconds": s.seconds * speed, "runs": [r * speed for r in s.runs]})
                 m.prefill.append(s)
                 say(f"prefill l_hist={s.l_hist} l_incr={s.l_incr}: {1e3 * s.seconds:.2f} ms")
@@ -505,7 +528,7 @@ async def measure(
                 if max_tokens < grid.steady_tokens + 2 or max_tokens > limit:
                     continue
                 runs = [
-                    await _decode_point_retried(t, rng, batch, context, grid.steady_tokens, max_tokens, limit, say)
+                    await _decode_point_retried(t, fresh, batch, context, grid.steady_tokens, max_tokens, limit, say)
                     for _ in range(grid.decode_repeats)
                 ]
                 s = DecodeSample(
@@ -520,11 +543,11 @@ async def measure(
         if prefill_url is not None:
             p_model, p_len = await _models(client, prefill_url)
             p = _Target(client, prefill_url, p_model, clock)
-            await p.complete(_tokens(rng, 16))
+            await p.complete(fresh(16))
             for tokens in grid.transfer_tokens:
                 if tokens + 1 > min(max_len, p_len):
                     continue
-                total, recompute, pulled = await _transfer_point(t, p, rng, tokens, grid.repeats)
+                total, recompute, pulled = await _transfer_point(t, p, fresh, tokens, grid.repeats)
                 # The engine's clock times the pull itself; the client's only the whole hand-off.
                 engine_clock = clock == "engine" and pulled is not None
                 s = TransferSample(

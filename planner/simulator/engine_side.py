@@ -65,7 +65,8 @@ class EngineSide(SimulationState):
             remote = load.request.remote_prefill
             assert remote is not None
             source = self.workers[remote.engine_id]
-            done = self.now + t_kv(load.num_tokens, source.profile, worker.profile)
+            same_node = source.candidate.node == worker.candidate.node
+            done = self.now + t_kv(load.num_tokens, source.profile, worker.profile, same_node)
             self._at(done, self._kv_loaded, worker, load.request.request_id, source, remote.request_id)
 
     def _end_step(self, worker: SimWorker, version: int) -> None:

@@ -206,6 +206,8 @@ class GatewaySide(SimulationState):
         for o in closed.observations:
             self.stats.record(o, self.now)
         self.records.append(closed.record)
+        if self.token_gaps is not None:
+            self.token_gaps.extend(state.gaps)
         session.state = closed.state
         session.tokens.extend(request.output_token_ids)
         spec = session.trace.rounds[session.next_round]

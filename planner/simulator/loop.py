@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from perfmodel.profile import Profile
+from planner.placement import Engine, place
 from planner.simulator.config import SimConfig
 from planner.simulator.elastic_control import ElasticControl
 from planner.simulator.engine_side import EngineSide
@@ -37,7 +38,9 @@ from rounds.windowed import WindowedMeans
 class Simulation(GatewaySide, EngineSide, ElasticControl):
     """One run of ``sessions`` through a deployment. ``run()`` once, then read ``report()``."""
 
-    def __init__(self, config: SimConfig, sessions: Sequence[TraceSession]) -> None:
+    def __init__(self, config: SimConfig, sessions: Sequence[TraceSession], keep_gaps: bool = False) -> None:
+        """``keep_gaps``: keep every inter-token gap of every round in ``token_gaps`` (a
+        distribution to compare with a live run's; off, a long trace's runs keep none)."""
         self.config = config
         policy = POLICIES[config.policy]
         rng = random.Random(config.seed)
@@ -60,6 +63,10 @@ class Simulation(GatewaySide, EngineSide, ElasticControl):
             if config.prefill is not None and policy.uses_prefill_workers:
                 engines += [self._worker(f"prefill-{i}", "prefill", config.prefill.profile)
                             for i in range(config.prefill.replicas)]  # fmt: skip
+        servers = place([Engine(w.worker_id, w.profile.tp, w.assignment.role) for w in engines],
+                        min(w.profile.gpu.gpus_per_node for w in engines))  # fmt: skip
+        for w in engines:
+            w.candidate = replace(w.candidate, node=servers[w.worker_id])
         self.workers = {w.worker_id: w for w in engines}
         self._group()
         self.timeline = []
@@ -67,6 +74,7 @@ class Simulation(GatewaySide, EngineSide, ElasticControl):
         self.interval = ForecastInterval()
         self.sessions = [SimSession(s, i) for i, s in enumerate(sessions)]
         self.records = []
+        self.token_gaps = [] if keep_gaps else None
         self.rounds = {}  # by engine request id
         self._events: list[tuple[float, int, Callable[..., None], tuple]] = []
         self._seq = itertools.count()

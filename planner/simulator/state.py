@@ -133,6 +133,7 @@ class SimulationState:
     prefillers: list[SimWorker]  # the engines others' sessions prefill on
     sessions: list[SimSession]
     records: list[RoundRecord]
+    token_gaps: list[float] | None  # every round's inter-token gaps, where the run keeps them
     rounds: dict[str, RoundState]  # by engine request id
     arrivals: Arrivals  # bound sessions' prompts no scrape shows yet (rounds.binding)
     interval: ForecastInterval

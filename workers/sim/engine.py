@@ -59,6 +59,7 @@ class AsyncEngine:
         speed: float = 1.0,
         kv_load_failure_policy: str = "fail",
         max_lag_s: float = 0.010,
+        node: str = "",
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
@@ -68,6 +69,7 @@ class AsyncEngine:
         self.speed = speed
         self.kv_load_failure_policy = kv_load_failure_policy
         self.max_lag_s = max_lag_s
+        self.node = node  # the server it runs on: a pull from one of its own is priced over its interconnect
         self.streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -195,7 +197,8 @@ class AsyncEngine:
                 begin = load.first_token + k * size
                 if tokens != request.prompt_token_ids[begin : min(begin + size, load.end_token)]:
                     raise TransferError(f"block {load.remote_block_ids[k]} does not hold this prompt's tokens")
-            modelled = t_kv(load.num_tokens, peer.profile, self.profile) / self.speed
+            same_node = bool(self.node) and peer.node == self.node
+            modelled = t_kv(load.num_tokens, peer.profile, self.profile, same_node) / self.speed
             remaining = modelled - (loop.time() - started)
             if remaining > 0:
                 await asyncio.sleep(remaining)

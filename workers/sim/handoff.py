@@ -25,6 +25,7 @@ async def kv_handshake(w: WorkerDep) -> dict[str, Any]:
         "engine_id": w.config.engine_id,
         "block_size": w.scheduler.kv.block_size,
         "profile": w.config.profile.model_dump(mode="json"),
+        "node": w.config.node_name,
     }
 
 

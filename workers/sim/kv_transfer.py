@@ -10,7 +10,7 @@ blocks' contents (their token ids) and counts as the notification.
 Routes (served by every sim worker, under its HTTP port, which it advertises as
 ``remote_port`` in ``kv_transfer_params``):
 
-* ``GET  /kv/handshake`` -> ``{"engine_id", "block_size", "profile"}``
+* ``GET  /kv/handshake`` -> ``{"engine_id", "block_size", "profile", "node"}``
 * ``POST /kv/read`` ``{"request_id", "block_ids"}`` -> ``{"blocks": [[token ids], ...]}``
 """
 
@@ -33,6 +33,7 @@ class Peer:
     base_url: str
     block_size: int
     profile: Profile
+    node: str = ""  # the server it runs on
 
 
 class KVSideChannel:
@@ -57,7 +58,9 @@ class KVSideChannel:
         meta = response.json()
         if meta["engine_id"] != engine_id:
             raise TransferError(f"{base_url} is engine {meta['engine_id']}, not {engine_id}")
-        peer = Peer(engine_id, base_url, meta["block_size"], Profile.model_validate(meta["profile"]))
+        peer = Peer(
+            engine_id, base_url, meta["block_size"], Profile.model_validate(meta["profile"]), meta.get("node", "")
+        )
         self._peers[(host, port)] = peer
         return peer
 

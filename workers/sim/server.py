@@ -72,6 +72,7 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
         kv_capacity_tokens=w.scheduler.kv.num_blocks * w.scheduler.kv.block_size,
         prefill_chunk=config.scheduler.long_prefill_token_threshold,
         splits=True,
+        node=config.node_name,
     )
     await publish_tokenizer(redis, config.redis_prefix, config.model_name, tokenizer_files())
     beat = asyncio.create_task(Registration(redis, config.redis_prefix, info).run())

@@ -16,7 +16,7 @@ from perfmodel.profile import Profile
 from rounds.engine.request import RemotePrefill
 from rounds.engine.request import Request as EngineRequest
 from rounds.engine.scheduler import Scheduler, SchedulerConfig
-from surface.registry import Role
+from surface.registry import Role, node_name
 from surface.wire import PULL_FIELDS, SPLIT_AT, pull_params
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream
@@ -36,6 +36,7 @@ class WorkerConfig:
     role: Role = "both"
     port: int = 8100
     advertise_host: str = "127.0.0.1"  # where peers reach this worker's side channel
+    node: str = ""  # the server it runs on; "": surface.registry.node_name's (AMPD_NODE, else the advertised host)
     served_model_name: str | None = None
     max_model_len: int | None = None
     speed: float = 1.0
@@ -50,6 +51,10 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         return f"http://{self.advertise_host}:{self.port}"
+
+    @property
+    def node_name(self) -> str:
+        return self.node or node_name(self.advertise_host)
 
     @property
     def model_name(self) -> str:
@@ -79,6 +84,7 @@ class SimWorker:
             self.side_channel,
             speed=config.speed,
             kv_load_failure_policy=config.kv_load_failure_policy,
+            node=config.node_name,
         )
 
     def check_model(self, model: str | None) -> None:

@@ -23,7 +23,7 @@ import httpx
 
 from perfmodel.profile import Profile
 from surface.parent_death import end_with_parent
-from surface.registry import Registration, WorkerInfo, heartbeat_client
+from surface.registry import Registration, WorkerInfo, heartbeat_client, node_name
 from surface.wire import cache_config, parse_load
 from workers.vllm import tokenizer_files
 from workers.vllm.launch import VllmLaunch, server_argv, server_env
@@ -101,7 +101,7 @@ async def _wait_ready(
                     capacity = blocks[0] * blocks[1] if blocks else profile.kv_capacity_tokens
                     return WorkerInfo(
                         launch.worker_id, launch.role, launch.url, launch.model_name, profile, 1.0, capacity,
-                        prefill_chunk=launch.prefill_chunk,
+                        prefill_chunk=launch.prefill_chunk, node=node_name(launch.advertise_host),
                     )  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), POLL_S)

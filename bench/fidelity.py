@@ -1,0 +1,421 @@
+"""`ampd bench fidelity --engine vllm`: the simulator against real vLLM engines.
+
+Every verdict the simulator gives is only as good as its agreement with a real engine.
+Here two vLLM engines (its CPU build, each pinned to a core of its own) serve a
+dummy-weight Llama whose steps take tens of milliseconds on one core, through the
+gateway, under each policy (``coloc``: both engines colocated; ``ampd`` and ``disagg``:
+one prefill and one decode engine over NIXL - the same two engines, their roles the
+gateway's). A multi-round agent trace is replayed live (bench.replay, in vLLM's
+dialect) at a light and a loaded rate, several runs each; then the same rounds - their
+token counts as the engines counted them - are simulated with the engines' profile,
+measured on those engines by ``ampd profile --worker``, on the same deployment and
+with vLLM's own scheduler settings. The rows put live and simulated side by side:
+per-round TTFT (initial and incremental), per-token gap, and SLO attainment under each
+ITL rule.
+
+Where they part, the simulator's engine (rounds.engine.scheduler) or its cost model is
+wrong, or the live run had what the simulator does not model: on this machine the
+gateway, Redis and the load generator share the engines' two cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import statistics
+import string
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from ampd.local_redis import ensure_redis, free_port
+from ampd.processes import Child, spawn, spawn_gateway, wait_healthy
+from ampd.stack import STATE_DIR
+from bench.replay import LiveRound, VllmDialect, read_back, replay, with_gateway_tails
+from perfmodel.profile import Profile, load_profile
+from perfmodel.slo import ITL_RULES, SLO, derived_slo
+from perfmodel.specs import GPUSpec, ModelSpec
+from planner.profiler import profile_worker
+from planner.profiler.samples import Grid
+from planner.simulator import Pool, SimConfig, Simulation
+from planner.trace import WORKLOADS, TraceRound, TraceSession, generate
+from rounds.engine.scheduler import SchedulerConfig
+from surface.registry import heartbeat_client, live_workers
+
+PREFIX = "ampd-bench-fidelity"
+POLICIES = ("coloc", "ampd", "disagg")
+LOADS = ("light", "loaded")
+# The engines' model: small enough that a step takes tens of milliseconds on one core,
+# bytes for tokens (workers.vllm.tiny_model: what a reply says is the tokens it was).
+MODEL_SIZES = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 2, "intermediate": 1408}
+MAX_MODEL_LEN = 4096
+# vLLM 0.32's own defaults on its CPU build (vllm/engine/arg_utils.py, vllm/platforms/cpu.py),
+# written out so that the simulator's engine runs the same: 2,048 batched tokens and 128
+# sequences a step, 128-token KV blocks, chunked prefill, no async scheduling on a CPU.
+SCHEDULER = SchedulerConfig(block_size=128, max_num_seqs=128, max_num_batched_tokens=2048)
+VLLM_ARGS = (
+    "--load-format", "dummy", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+    "--block-size", str(SCHEDULER.block_size), "--max-num-batched-tokens", str(SCHEDULER.max_num_batched_tokens),
+    "--max-num-seqs", str(SCHEDULER.max_num_seqs),
+)  # fmt: skip
+# Where the profiler samples a CPU engine: prompts within the model's length, batches whose
+# prompts it prefills in seconds, and KV hand-offs of whole 128-token blocks plus one.
+CPU_GRID = Grid(prefill_hist=(0, 512, 1536), prefill_incr=(16, 64, 256, 1024), decode_batch=(1, 4, 16),
+                decode_context=(128, 512, 1536), transfer_tokens=(129, 513, 1537), repeats=3,
+                steady_tokens=16, min_chunk_tokens=512)  # fmt: skip
+# One x86-64 core as the profile's hardware: what the profile records, and the transfer
+# price the fit falls back on without a prefill engine (the bench always has one).
+HOST_CPU = GPUSpec(
+    name="CPU", memory_bytes=2**30, hbm_bandwidth=20e9, peak_flops={"fp32": 100e9}, intra_node_bandwidth=10e9,
+    network_bandwidth=5e9, source="one x86-64 core of vLLM's CPU build; nominal: the bench measures the engine",
+)  # fmt: skip
+METRICS = ("ttft_initial_p50", "ttft_initial_p95", "ttft_incremental_p50", "ttft_incremental_p95", "gap_p50",
+           "gap_p95", *(f"attainment_{rule}" for rule in ITL_RULES))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FidelitySetup:
+    sessions: int = 24
+    light_rate: float = 0.05  # sessions per second
+    loaded_rate: float = 0.2
+    runs: int = 3
+    workload: str = "toolbench"
+    seed: int = 0
+    policies: tuple[str, ...] = POLICIES
+    loads: tuple[str, ...] = LOADS
+    profile: Path | None = None  # measured before; else measured on the engines first
+    out_dir: Path = STATE_DIR / "fidelity"
+    redis_url: str = "redis://127.0.0.1:6379/11"
+    vllm_python: str = ""  # the interpreter vLLM is installed in (`ampd worker vllm --python`)
+
+    def rate(self, load: str) -> float:
+        return self.light_rate if load == "light" else self.loaded_rate
+
+
+@dataclass
+class RunMetrics:
+    """One run's figures (seconds, attainment as a fraction), live or simulated."""
+
+    values: dict[str, float | None] = field(default_factory=dict)
+
+
+def model_spec(folder: Path) -> ModelSpec:
+    """The served test model as the performance model describes one (fp32 weights and KV)."""
+    config = json.loads((folder / "config.json").read_text())
+    return ModelSpec(
+        name="tiny-llama-cpu", hf_id=str(folder), num_layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
+        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"], max_model_len=MAX_MODEL_LEN,
+        weight_dtype="fp32", kv_dtype="fp32", source="workers.vllm.tiny_model, the fidelity bench's sizes",
+    )  # fmt: skip
+
+
+def build_model(folder: Path) -> Path:
+    """The test model's folder: a byte-level tokenizer (no merges), so any letters a reply
+    is sampled from are the tokens it is made of."""
+    from workers.vllm.tiny_model import SPECIALS, build
+
+    if not (folder / "config.json").exists():
+        build(folder, vocab_size=len(SPECIALS) + 256, **MODEL_SIZES)
+    return folder
+
+
+def letter_ids(folder: Path) -> tuple[int, ...]:
+    """The ids of the lowercase letters and the space (byte-level: "Ġ"), which replies are sampled from."""
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    return tuple(sorted(vocab[c] for c in [*string.ascii_lowercase, "Ġ"]))
+
+
+@dataclass
+class Engines:
+    """The two engines, each on a core of its own: ``[0]`` on core 0, ``[1]`` on core 1."""
+
+    children: list[Child]
+    urls: list[str]
+    worker_ids: list[str]
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop(timeout_s=60)
+
+
+@contextlib.contextmanager
+def engines(setup: FidelitySetup, model: Path, profile: str, redis_url: str, log_dir: Path) -> Iterator[Engines]:
+    """Two `ampd worker vllm` engines registered as ``both`` with ``profile``, pinned to cores 0 and 1."""
+    children, urls = [], []
+    try:
+        for core in (0, 1):
+            port = free_port()
+            command = [
+                "worker", "vllm", "--model", str(model), "--served-model-name", "tiny-llama", "--role", "both",
+                "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", str(port),
+                "--side-channel-port", str(free_port()), "--kv-buffer-device", "cpu", "--profile", profile,
+                "--redis-url", redis_url, "--redis-prefix", PREFIX, "--ready-timeout", "900",
+                *(["--python", setup.vllm_python] if setup.vllm_python else []), "--", *VLLM_ARGS,
+            ]  # fmt: skip
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
+            children.append(spawn(f"vllm-{core}", port, command, log=log_dir / f"vllm-{core}.log", cpu=core, env=env))
+            urls.append(f"http://127.0.0.1:{port}")
+        ids = _wait_registered(urls, redis_url, children, timeout_s=900)
+        yield Engines(children, urls, ids)
+    finally:
+        for child in children:
+            child.stop(timeout_s=60)
+
+
+def _wait_registered(urls: list[str], redis_url: str, children: list[Child], timeout_s: float) -> list[str]:
+    async def listed() -> dict[str, str]:
+        redis = heartbeat_client(redis_url)
+        try:
+            return {info.url: info.worker_id for info in await live_workers(redis, PREFIX)}
+        finally:
+            await redis.aclose()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [c.name for c in children if c.process.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited before serving; see its log")
+        found = asyncio.run(listed())
+        if all(u in found for u in urls):
+            return [found[u] for u in urls]
+        time.sleep(2)
+    raise RuntimeError(f"the engines did not register within {timeout_s:.0f} s")
+
+
+def set_roles(redis_url: str, policy: str, worker_ids: list[str]) -> None:
+    """``coloc``: both engines decode, each prefilling its own sessions' rounds; else engine 0
+    prefills and engine 1 decodes."""
+    from gateway.elastic_live import set_role
+
+    async def assign() -> None:
+        redis = heartbeat_client(redis_url)
+        try:
+            roles = ("decode", "decode") if policy == "coloc" else ("prefill", "decode")
+            for worker_id, role in zip(worker_ids, roles, strict=True):
+                await set_role(redis, PREFIX, worker_id, role)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(assign())
+
+
+@contextlib.contextmanager
+def gateway(policy: str, slo: SLO, redis_url: str, log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    options = ["--redis-url", redis_url, "--redis-prefix", PREFIX, "--policy", policy,
+               "--ttft-slo", repr(slo.ttft_s), "--itl-slo", repr(slo.itl_s)]  # fmt: skip
+    child = spawn_gateway("gateway", port, options, log_dir / f"gateway-{policy}.log")
+    try:
+        if wait_healthy([child], timeout_s=60, path="/readyz") is not None:
+            raise RuntimeError(f"the gateway did not come up; see {log_dir}/gateway-{policy}.log")
+        yield child.url
+    finally:
+        child.stop()
+
+
+def observed_trace(trace: Sequence[TraceSession], records: dict[str, list[dict]]) -> list[TraceSession]:
+    """The trace's sessions with each round's tokens as the engines counted them: a round
+    adds its prompt less the last prompt and reply (the chat template's markers included),
+    and writes the reply it wrote. Arrivals and tool latencies are the trace's."""
+    out = []
+    for session in trace:
+        done = records.get(session.session_id, [])
+        if len(done) != len(session.rounds):
+            raise RuntimeError(f"{session.session_id}: {len(done)} of {len(session.rounds)} rounds recorded")
+        rounds, context = [], 0
+        for spec, record in zip(session.rounds, done, strict=True):
+            prompt = record["l_hist"] + record["l_incr"]
+            rounds.append(TraceRound(input_tokens=max(1, prompt - context), output_tokens=record["completion_tokens"],
+                                     tool_calls=spec.tool_calls, tool_latency_s=spec.tool_latency_s))  # fmt: skip
+            context = prompt + record["completion_tokens"]
+        out.append(session.model_copy(update={"rounds": rounds}))
+    return out
+
+
+async def _records(url: str, sessions: Sequence[TraceSession]) -> dict[str, list[dict]]:
+    async with httpx.AsyncClient(timeout=30) as client:
+        out = {}
+        for session in sessions:
+            response = await client.get(f"{url}/v1/sessions/{session.session_id}")
+            out[session.session_id] = response.json()["rounds"] if response.status_code == 200 else []
+        return out
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def live_metrics(rounds: Sequence[LiveRound], records: dict[str, list[dict]], slo: SLO) -> dict[str, float | None]:
+    """A live run's figures: TTFT as the client saw it, gaps between the tokens it received,
+    each round judged against ``slo`` by every ITL rule (its tail gaps as the gateway timed them)."""
+    incremental = {(sid, k) for sid, rs in records.items() for k, r in enumerate(rs) if r["kind"] == "incremental"}
+    initial = [r.ttft_s for r in rounds if (r.session_id, r.round) not in incremental]
+    later = [r.ttft_s for r in rounds if (r.session_id, r.round) in incremental]
+    gaps = [g for r in rounds for g in r.gaps]
+    out: dict[str, float | None] = {
+        "ttft_initial_p50": _percentile(initial, 50), "ttft_initial_p95": _percentile(initial, 95),
+        "ttft_incremental_p50": _percentile(later, 50), "ttft_incremental_p95": _percentile(later, 95),
+        "gap_p50": _percentile(gaps, 50), "gap_p95": _percentile(gaps, 95),
+    }  # fmt: skip
+    for rule in ITL_RULES:
+        out[f"attainment_{rule}"] = sum(slo.met(r.ttft_s, r.itl(rule)) for r in rounds) / len(rounds)
+    return out
+
+
+def sim_metrics(sim: Simulation, slo: SLO) -> dict[str, float | None]:
+    """The simulated run's figures, taken as the live ones are."""
+    records = sim.records
+    initial = [r.ttft_s for r in records if not r.incremental and r.ttft_s is not None]
+    later = [r.ttft_s for r in records if r.incremental and r.ttft_s is not None]
+    out: dict[str, float | None] = {
+        "ttft_initial_p50": _percentile(initial, 50), "ttft_initial_p95": _percentile(initial, 95),
+        "ttft_incremental_p50": _percentile(later, 50), "ttft_incremental_p95": _percentile(later, 95),
+        "gap_p50": _percentile(sim.token_gaps, 50), "gap_p95": _percentile(sim.token_gaps, 95),
+    }  # fmt: skip
+    for rule in ITL_RULES:
+        out[f"attainment_{rule}"] = sum(r.slo_met[rule] for r in records) / len(records)
+    return out
+
+
+def sim_config(policy: str, profile: Profile, slo: SLO) -> SimConfig:
+    """The live deployment, simulated: two engines colocated, or one prefill and one decode."""
+    if policy == "coloc":
+        return SimConfig(decode=Pool(profile, 2), prefill=None, slo=slo, policy=policy, scheduler=SCHEDULER)
+    return SimConfig(decode=Pool(profile, 1), prefill=Pool(profile, 1), slo=slo, policy=policy, scheduler=SCHEDULER)
+
+
+def rows(results: dict[tuple[str, str], list[tuple[dict, dict]]]) -> list[dict]:
+    """One row per (policy, load, metric): the means over the runs, live and simulated, the
+    error - (sim - live) / live for times, sim - live for attainment - and the live spread."""
+    out = []
+    for (policy, load), runs in results.items():
+        for metric in METRICS:
+            live = [r[0][metric] for r in runs if r[0][metric] is not None]
+            sim = [r[1][metric] for r in runs if r[1][metric] is not None]
+            if not live or not sim:
+                continue
+            lv, sv = statistics.mean(live), statistics.mean(sim)
+            error = sv - lv if metric.startswith("attainment") else (sv - lv) / lv if lv else None
+            out.append({"policy": policy, "load": load, "metric": metric, "live": lv, "sim": sv, "error": error,
+                        "live_min": min(live), "live_max": max(live), "runs": len(live)})  # fmt: skip
+    return out
+
+
+def run_fidelity(console: Console, setup: FidelitySetup, out: Path | None) -> int:
+    setup.out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(setup.out_dir / "model")
+    redis = ensure_redis(setup.redis_url, setup.out_dir / "redis")
+    try:
+        profile_path = setup.profile or measure_profile(console, setup, model, redis.url)
+        profile = load_profile(profile_path)
+        slo = derived_slo(profile)
+        console.print(f"SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, ITL {slo.itl_s * 1e3:.1f} ms (5x unloaded)")
+        results = compare(console, setup, model, profile_path, slo, redis.url)
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    finally:
+        redis.stop()
+    table_rows = rows(results)
+    console.print(_table(table_rows))
+    document = {"engine": "vllm", "profile": str(profile_path), "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
+                "setup": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items()},
+                "scheduler": asdict(SCHEDULER), "rows": table_rows,
+                "runs": [{"policy": p, "load": lo, "live": lv, "sim": sv}
+                         for (p, lo), runs in results.items() for lv, sv in runs]}  # fmt: skip
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"wrote {out}")
+    return 0
+
+
+def measure_profile(console: Console, setup: FidelitySetup, model: Path, redis_url: str) -> Path:
+    """``ampd profile --worker`` on the engines: engine 1 timed, and its KV hand-off from engine 0."""
+    path = setup.out_dir / "tiny-llama-cpu_measured.json"
+    with console.status("starting two vLLM engines to profile them"), \
+            engines(setup, model, "llama-3.1-8b_h100_tp1", redis_url, setup.out_dir) as e:  # fmt: skip
+        console.print(f"profiling {e.urls[1]} (its KV hand-off from {e.urls[0]})")
+        set_roles(redis_url, "disagg", e.worker_ids)
+        asyncio.run(profile_worker(e.urls[1], prefill_url=e.urls[0], model=model_spec(model), gpu=HOST_CPU,
+                                   out_path=path, grid=CPU_GRID, clock="engine", progress=console.print,
+                                   measurements_out=setup.out_dir / "measurements.json"))  # fmt: skip
+    console.print(f"wrote {path}")
+    return path
+
+
+Results = dict[tuple[str, str], list[tuple[dict, dict]]]  # (policy, load) -> (live, simulated) per run
+
+
+def compare(
+    console: Console, setup: FidelitySetup, model: Path, profile_path: Path, slo: SLO, redis_url: str
+) -> Results:
+    """Every policy, load and run, live on the engines and simulated with their profile."""
+    profile, letters = load_profile(profile_path), letter_ids(model)
+    results: Results = {}
+    with console.status("starting two vLLM engines"), \
+            engines(setup, model, str(profile_path), redis_url, setup.out_dir) as e:  # fmt: skip
+        for policy in setup.policies:
+            set_roles(redis_url, policy, e.worker_ids)
+            with gateway(policy, slo, redis_url, setup.out_dir) as url:
+                for load in setup.loads:
+                    for run in range(setup.runs):
+                        trace = [s.model_copy(update={"session_id": f"{policy}-{load}-{run}-{s.session_id}"})
+                                 for s in generate(WORKLOADS[setup.workload], setup.sessions, setup.rate(load),
+                                                   seed=setup.seed + run)]  # fmt: skip
+                        live, sim = _one_run(url, trace, letters, f"{policy}:{load}:{run}:{time.time()}", profile,
+                                             policy, slo)  # fmt: skip
+                        results.setdefault((policy, load), []).append((live, sim))
+                        console.print(f"{policy} {load} run {run + 1}: live {_brief(live)}; sim {_brief(sim)}")
+    return results
+
+
+def _one_run(
+    url: str, trace: list[TraceSession], letters: tuple[int, ...], salt: str, profile: Profile, policy: str, slo: SLO
+) -> tuple[dict, dict]:
+    rounds = asyncio.run(replay(url, trace, 1.0, dialect=VllmDialect(letters, salt)))
+    _, _, _, tails = asyncio.run(read_back(url, trace))
+    rounds = with_gateway_tails(rounds, tails)
+    records = asyncio.run(_records(url, trace))
+    served = {r["decode_worker"] for rs in records.values() for r in rs}
+    if not all(w.startswith("vllm-") for w in served):
+        raise RuntimeError(f"rounds were served by {sorted(served)}, not by the vLLM engines")
+    sim = Simulation(sim_config(policy, profile, slo), observed_trace(trace, records), keep_gaps=True)
+    sim.run()
+    return live_metrics(rounds, records, slo), sim_metrics(sim, slo)
+
+
+def _brief(m: dict) -> str:
+    def ms(key: str) -> str:
+        return "-" if m[key] is None else f"{m[key] * 1e3:.0f}"
+
+    return (f"TTFT p50 {ms('ttft_initial_p50')}/{ms('ttft_incremental_p50')} ms, gap p95 {ms('gap_p95')} ms, "
+            f"attainment {m['attainment_mean']:.0%}/{m['attainment_p95']:.0%}/{m['attainment_max']:.0%}")  # fmt: skip
+
+
+def _table(table_rows: list[dict]) -> Table:
+    table = Table("policy", "load", "metric", "live", "simulated", "error", "live spread")
+    for r in table_rows:
+        attainment = r["metric"].startswith("attainment")
+        show = _percent if attainment else _ms
+        error = f"{r['error'] * 100:+.1f} points" if attainment else f"{r['error']:+.1%}"
+        table.add_row(r["policy"], r["load"], r["metric"], show(r["live"]), show(r["sim"]), error,
+                      f"{show(r['live_min'])} - {show(r['live_max'])}")  # fmt: skip
+    return table
+
+
+def _percent(v: float) -> str:
+    return f"{v:.1%}"
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:,.1f} ms"
