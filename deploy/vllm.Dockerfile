@@ -6,9 +6,12 @@ FROM vllm/vllm-openai:v${VLLM_VERSION}
 RUN python3 -m pip install --no-cache-dir nixl
 COPY pyproject.toml README.md /src/
 COPY ampd /src/ampd
+COPY bench /src/bench
 COPY gateway /src/gateway
 COPY perfmodel /src/perfmodel
 COPY planner /src/planner
+COPY rounds /src/rounds
+COPY surface /src/surface
 COPY tools_sandbox /src/tools_sandbox
 COPY workers /src/workers
 RUN python3 -m pip install --no-cache-dir uv \

@@ -11,7 +11,17 @@ import pytest
 
 from perfmodel.slo import derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
-from planner.plan import Judging, ProfileBook, exhaustive, plan, search_taus, tau_families, tau_run
+from planner.plan import (
+    Judging,
+    ProfileBook,
+    deployment_config,
+    exhaustive,
+    plan,
+    search_taus,
+    simulate_all,
+    tau_families,
+    tau_run,
+)
 from planner.simulator import simulate
 from planner.split_search import Climb, shifted
 from planner.tau_search import Family, Sample, TauSearch, first_counts, search
@@ -153,8 +163,10 @@ def test_the_climb_looks_past_a_dip_and_stops_at_the_top():
 
 def test_the_split_search_finds_the_best_split_eq5_misses():
     """DuReader on 16 H20 under AMPD's policy: Eq. 5's five candidates, simulated whole,
-    reach 56% of rounds within the SLOs; the split search, moving GPUs from prefill to
-    the decode engines that absorb prefills, finds the best of all configurations."""
+    reach under half of the rounds within the SLOs; the split search, moving GPUs from
+    prefill to the decode engines that absorb prefills, finds the best of all configurations.
+    Eq. 5's best is simulated apart: the plan keeps only its top three, which the split
+    search may fill."""
     book = ProfileBook("llama-3.1-70b")
     trace = generate(WORKLOADS["dureader"], 120, 1.2, seed=3)
     judging = Judging(book, book.reference_slo("H20", 3.0), policy="ampd")
@@ -162,7 +174,8 @@ def test_the_split_search_finds_the_best_split_eq5_misses():
     everything = exhaustive(judging, trace, result.options, {"H20": 16}, jobs=2)
     first, best = result.ranked[0], everything[0]
     assert first.eq5_rank == 0  # found by the split search, not among Eq. 5's five
-    eq5 = max(r.predicted.slo_attainment_rounds for r in result.ranked if r.eq5_rank)
+    five = search_taus(judging, trace, {"H20": 16}, 5, jobs=2).best
+    eq5 = max(r.slo_attainment_rounds for r in simulate_all([(deployment_config(judging, d), trace) for d in five], 2))
     assert first.predicted.slo_attainment_rounds >= eq5 + 0.1
     assert first.predicted.slo_attainment_rounds >= best.predicted.slo_attainment_rounds - 0.02
 
