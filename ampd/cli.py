@@ -58,7 +58,10 @@ def worker_sim(
         int, typer.Option(help="a request prefills at most this many tokens a step (vLLM's); 0: no cap")
     ] = 0,
     step_target_ms: Annotated[
-        float, typer.Option(help="while requests decode, prefill what keeps a step this short (DynaServe); 0: off")
+        float,
+        typer.Option(
+            envvar="AMPD_STEP_TARGET_MS", help="while requests decode, prefill what keeps a step this short; 0: off"
+        ),
     ] = 0.0,
     enable_prefix_caching: bool = True,
     default_output_tokens: Annotated[int, typer.Option(help="reply length when no script sets one")] = 32,
@@ -128,19 +131,30 @@ def worker_vllm(
     redis_prefix: str = "ampd",
     ready_timeout: Annotated[float, typer.Option(help="seconds vLLM may take to serve")] = 600.0,
     drain_timeout: Annotated[float, typer.Option(help="seconds SIGTERM waits for requests to finish")] = 300.0,
+    step_target_ms: Annotated[
+        float | None,
+        typer.Option(
+            envvar="AMPD_STEP_TARGET_MS", help="ampd's scheduler: while requests decode, size each step to this"
+        ),
+    ] = None,
+    step_log: Annotated[Path | None, typer.Option(help="with --step-target-ms: a JSON line per step here")] = None,
 ) -> None:
     """vLLM's OpenAI server with the NIXL connector, registered while it serves and
-    drained on SIGTERM. Arguments after the options go to vLLM unchanged."""
+    drained on SIGTERM. Arguments after the options go to vLLM unchanged. With
+    --step-target-ms, vLLM runs ampd's scheduler, priced by --profile."""
     import asyncio
     import logging
     import sys
+    import tempfile
 
-    from workers.vllm.launch import VllmLaunch
+    from workers.vllm.launch import StepSizing, VllmLaunch
     from workers.vllm.supervisor import supervise
 
     _check_role(role)
     if kv_buffer_device not in ("cuda", "cpu"):
         raise typer.BadParameter("kv-buffer-device must be cuda or cpu")
+    if step_target_ms is not None and step_target_ms < 0:
+        raise typer.BadParameter("--step-target-ms is 0 (off until set) or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ampd worker vllm: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     launch = VllmLaunch(
@@ -155,10 +169,14 @@ def worker_vllm(
         kv_buffer_device=kv_buffer_device,  # type: ignore[arg-type]
         python=python or sys.executable,
         extra_args=tuple(ctx.args),
+        step_sizing=None
+        if step_target_ms is None
+        else StepSizing(tempfile.mkdtemp(prefix="ampd-vllm-step-"), str(step_log.resolve()) if step_log else ""),
     )
     run = supervise(
-        launch, load_profile(profile), redis_url, redis_prefix, ready_timeout, drain_timeout_s=drain_timeout
-    )
+        launch, load_profile(profile), redis_url, redis_prefix, ready_timeout, drain_timeout_s=drain_timeout,
+        step_target_ms=step_target_ms or 0.0,
+    )  # fmt: skip
     raise typer.Exit(asyncio.run(run))
 
 
@@ -367,6 +385,37 @@ def workers_list(
     console.print(table)
 
 
+def _registry(redis_url: str, action):
+    """``action(redis)`` against the worker registry; its refusal (ValueError) or an unreachable
+    Redis ends the command with the message."""
+    import asyncio
+
+    from surface.registry import heartbeat_client
+
+    async def run():
+        redis = heartbeat_client(redis_url)
+        try:
+            return await action(redis)
+        finally:
+            await redis.aclose()
+
+    try:
+        return asyncio.run(run())
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+
+
+async def _registered(redis, prefix: str, worker_id: str):
+    """The registered engine ``worker_id``, or a ValueError naming the ones there are."""
+    from surface.registry import live_workers
+
+    known = {i.worker_id: i for i in await live_workers(redis, prefix)}
+    if worker_id not in known:
+        raise ValueError(f"no engine {worker_id!r}; registered: {', '.join(sorted(known)) or 'none'}")
+    return known[worker_id]
+
+
 @workers_app.command("set")
 def workers_set(
     worker_id: str,
@@ -375,34 +424,41 @@ def workers_set(
     redis_prefix: str = "ampd",
 ) -> None:
     """Give an engine registered as `both` another role; every gateway applies it at its next refresh."""
-    import asyncio
-
     from gateway.elastic_live import set_role
     from rounds.roles import ROLES
-    from surface.registry import heartbeat_client, live_workers
 
     if role not in ROLES:
         raise typer.BadParameter(f"role must be one of {', '.join(ROLES)}")
 
-    async def write():
-        redis = heartbeat_client(redis_url)
-        try:
-            known = {i.worker_id: i for i in await live_workers(redis, redis_prefix)}
-            info = known.get(worker_id)
-            if info is None:
-                raise ValueError(f"no engine {worker_id!r}; registered: {', '.join(sorted(known)) or 'none'}")
-            if info.role != "both":
-                raise ValueError(f"{worker_id} is registered as {info.role}: only `both` engines change role")
-            return await set_role(redis, redis_prefix, worker_id, role)
-        finally:
-            await redis.aclose()
+    async def write(redis):
+        info = await _registered(redis, redis_prefix, worker_id)
+        if info.role != "both":
+            raise ValueError(f"{worker_id} is registered as {info.role}: only `both` engines change role")
+        return await set_role(redis, redis_prefix, worker_id, role)
 
-    try:
-        done = asyncio.run(write())
-    except (ValueError, OSError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+    done = _registry(redis_url, write)
     console.print(f"{worker_id}: {done.role} ({done.pool})")
+
+
+@workers_app.command("step-target")
+def workers_step_target(
+    worker_id: str,
+    target_ms: Annotated[float, typer.Argument(help="milliseconds a step keeps to while requests decode; 0: off")],
+    redis_url: RedisOption = "redis://127.0.0.1:6379/0",
+    redis_prefix: str = "ampd",
+) -> None:
+    """Give a vLLM engine started with --step-target-ms another target; it applies it within a second."""
+    from surface.registry import set_step_target_ms
+
+    if target_ms < 0:
+        raise typer.BadParameter("the target is 0 (off) or more milliseconds")
+
+    async def write(redis) -> None:
+        await _registered(redis, redis_prefix, worker_id)
+        await set_step_target_ms(redis, redis_prefix, worker_id, target_ms)
+
+    _registry(redis_url, write)
+    console.print(f"{worker_id}: step target {target_ms:g} ms")
 
 
 @sessions_app.command("show")

@@ -185,14 +185,22 @@ def bench_fidelity(
     ] = None,
     python: Annotated[str, typer.Option(envvar="AMPD_VLLM_PYTHON", help="the interpreter vLLM is installed in")] = "",
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/11",
-    work_dir: Annotated[Path, typer.Option(help="the model folder, profile and logs")] = Path(".ampd/fidelity"),
+    work_dir: Annotated[Path, typer.Option(help="the model folder, profile, logs and runs' traces")] = Path(
+        ".ampd/fidelity"
+    ),
+    resimulate: Annotated[
+        Path | None, typer.Option(help="simulate a report's live runs again (after a change to the simulator)")
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="write the rows as JSON here")] = None,
 ) -> None:
     """The simulator against real vLLM engines (its CPU build, two engines on two cores): a
     multi-round trace live through the gateway per policy and load, next to the same rounds simulated."""
     from bench.fidelity import LOADS, POLICIES, FidelitySetup, run_fidelity
+    from bench.fidelity import resimulate as simulate_again
     from planner.trace import WORKLOADS
 
+    if resimulate is not None:
+        raise typer.Exit(simulate_again(console, resimulate, out))
     chosen, levels = tuple(p for p in policies.split(",") if p), tuple(x for x in loads.split(",") if x)
     if engine != "vllm":
         raise fail("the fidelity bench checks the simulator against vLLM (--engine vllm); the GPU-free engine's "
@@ -205,6 +213,38 @@ def bench_fidelity(
                           workload=workload, seed=seed, policies=chosen, loads=levels, profile=profile,
                           out_dir=work_dir, redis_url=redis_url, vllm_python=python)  # fmt: skip
     raise typer.Exit(run_fidelity(console, setup, out))
+
+
+@bench_app.command("stepsize")
+def bench_stepsize(
+    engine: Annotated[str, typer.Option(help="the engine whose scheduler is sized: vllm")] = "vllm",
+    streams: Annotated[int, typer.Option(help="requests decoding throughout")] = 8,
+    long_prompts: Annotated[int, typer.Option(help="long prompts sent while they decode")] = 4,
+    long_tokens: Annotated[int, typer.Option(help="tokens of each long prompt")] = 2400,
+    interval: Annotated[float, typer.Option(help="seconds between the long prompts")] = 3.0,
+    target_ms: Annotated[
+        float | None, typer.Option(help="ampd's step target (default: dynaserve's under the P95 rule)")
+    ] = None,
+    profile: Annotated[Path, typer.Option(help="the engine's measured profile")] = Path(
+        "bench/results/fidelity_vllm/tiny-llama-cpu_measured.json"
+    ),
+    python: Annotated[str, typer.Option(envvar="AMPD_VLLM_PYTHON", help="the interpreter vLLM is installed in")] = "",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/11",
+    work_dir: Annotated[Path, typer.Option(help="the model folder, logs and step logs")] = Path(".ampd/stepsize"),
+    out: Annotated[Path | None, typer.Option(help="write the arms as JSON here")] = None,
+) -> None:
+    """Step sizing inside real vLLM (its CPU build, one engine on a core): token gaps, decode rate and
+    long-prompt TTFT under vLLM's default budget, the best static budget searched, and ampd's scheduler."""
+    from bench.stepsize import StepsizeSetup, run_stepsize
+
+    if engine != "vllm":
+        raise fail("step sizing is measured on vLLM (--engine vllm); the GPU-free engine's is `ampd bench split`")
+    if min(streams, long_prompts, long_tokens) < 1 or interval <= 0 or (target_ms is not None and target_ms <= 0):
+        raise fail("at least one stream, long prompt and token; a positive interval and target")
+    setup = StepsizeSetup(streams=streams, long_prompts=long_prompts, long_tokens=long_tokens, interval_s=interval,
+                          target_ms=target_ms, profile=profile, out_dir=work_dir, redis_url=redis_url,
+                          vllm_python=python)  # fmt: skip
+    raise typer.Exit(run_stepsize(console, setup, out))
 
 
 @bench_app.command("simulate")
@@ -346,6 +386,53 @@ def bench_paper(
     title = (f"{model} on {gpu}, sessions per point: {per_point} (simulated; every policy on its best "
              f"deployment; {wall / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
     for path in write_paper(out_dir, title, points, cells, slos, chunked, setup, sensitive, wall):
+        console.print(f"wrote {path}")
+
+
+@bench_app.command("sensitivity")
+def bench_sensitivity(
+    points: Annotated[
+        str, typer.Option(help="WORKLOAD=RATE,... (sessions/s): the knees, or the paper's operating point")
+    ] = "toolbench=2.5,hotpotqa=1.2",
+    efficiencies: Annotated[str, typer.Option(help="GEMM efficiencies the profiles are derived at")] = (
+        "0.45,0.55,0.65,0.75,0.85"
+    ),
+    base: Annotated[str, typer.Option(help="the other constants: shipped or calibrated")] = "shipped",
+    rules: Annotated[str, typer.Option(help="ITL rules, comma-separated")] = "mean,p95",
+    scales: Annotated[str, typer.Option(help="SLO scales, comma-separated")] = "3,5",
+    model: ModelOption = "llama-3.1-70b",
+    gpu: Annotated[str, typer.Option(help=f"one of {', '.join(GPUS)}")] = "H20",
+    sessions: Annotated[int, typer.Option(help="sessions per point")] = 300,
+    seed: int = 0,
+    out_dir: Annotated[Path, typer.Option(help="where the JSON and Markdown go")] = Path("bench/results/sensitivity"),
+) -> None:
+    """The paper grid's winners at each point as the roofline's GEMM efficiency varies (simulated)."""
+    from bench import sensitivity
+    from bench.paper import PAPER_GPUS, Cell
+    from perfmodel.roofline import CALIBRATED_EFFICIENCY, HOPPER_EFFICIENCY
+    from perfmodel.slo import ITL_RULES
+
+    try:
+        where = []
+        for spec in points.split(","):
+            name, _, rate = spec.partition("=")
+            if name not in PAPER_GPUS or not rate:
+                raise ValueError(f"bad point {spec!r}: WORKLOAD=RATE with a workload of {', '.join(PAPER_GPUS)}")
+            where.append((name, float(rate)))
+        sweep = [float(x) for x in efficiencies.split(",") if x]
+        if not sweep or any(not 0 < x <= 1 for x in sweep):
+            raise ValueError("efficiencies are fractions of peak in (0, 1]")
+        if base not in ("shipped", "calibrated") or any(r not in ITL_RULES for r in rules.split(",")):
+            raise ValueError(f"--base is shipped or calibrated; rules are of {', '.join(ITL_RULES)}")
+        cells = [Cell(r, float(x)) for r in rules.split(",") for x in scales.split(",")]  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    start = CALIBRATED_EFFICIENCY if base == "calibrated" else HOPPER_EFFICIENCY
+    columns = (TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        verdicts = sensitivity.sweep(model, gpu, start, sweep, where, cells, sessions, seed, progress)
+    title = f"{model} on {gpu}: each cell's winners as the GEMM efficiency varies ({base} constants otherwise)"
+    for path in sensitivity.write(out_dir, title, verdicts):
         console.print(f"wrote {path}")
 
 

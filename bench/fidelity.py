@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import string
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
@@ -35,17 +36,17 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ampd.local_redis import ensure_redis, free_port
+from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn, spawn_gateway, wait_healthy
 from ampd.stack import STATE_DIR
-from bench.replay import LiveRound, VllmDialect, read_back, replay, with_gateway_tails
+from bench.replay import LiveRound, VllmDialect, replay
 from perfmodel.profile import Profile, load_profile
 from perfmodel.slo import ITL_RULES, SLO, derived_slo
 from perfmodel.specs import GPUSpec, ModelSpec
 from planner.profiler import profile_worker
 from planner.profiler.samples import Grid
 from planner.simulator import Pool, SimConfig, Simulation
-from planner.trace import WORKLOADS, TraceRound, TraceSession, generate
+from planner.trace import WORKLOADS, TraceRound, TraceSession, generate, load_trace, write_trace
 from rounds.engine.scheduler import SchedulerConfig
 from surface.registry import heartbeat_client, live_workers
 
@@ -99,13 +100,6 @@ class FidelitySetup:
         return self.light_rate if load == "light" else self.loaded_rate
 
 
-@dataclass
-class RunMetrics:
-    """One run's figures (seconds, attainment as a fraction), live or simulated."""
-
-    values: dict[str, float | None] = field(default_factory=dict)
-
-
 def model_spec(folder: Path) -> ModelSpec:
     """The served test model as the performance model describes one (fp32 weights and KV)."""
     config = json.loads((folder / "config.json").read_text())
@@ -134,6 +128,19 @@ def letter_ids(folder: Path) -> tuple[int, ...]:
     return tuple(sorted(vocab[c] for c in [*string.ascii_lowercase, "Ġ"]))
 
 
+@contextlib.contextmanager
+def bench_redis(url: str, folder: Path) -> Iterator[str]:
+    """The Redis at ``url``, else a private one in ``folder``; the bench's keys cleared before (what
+    an earlier run left: its sessions' rounds, its engines' roles) and after."""
+    redis = ensure_redis(url, folder / "redis")
+    delete_prefix(redis.url, PREFIX)
+    try:
+        yield redis.url
+    finally:
+        delete_prefix(redis.url, PREFIX)
+        redis.stop()
+
+
 @dataclass
 class Engines:
     """The two engines, each on a core of its own: ``[0]`` on core 0, ``[1]`` on core 1."""
@@ -148,18 +155,28 @@ class Engines:
 
 
 @contextlib.contextmanager
-def engines(setup: FidelitySetup, model: Path, profile: str, redis_url: str, log_dir: Path) -> Iterator[Engines]:
-    """Two `ampd worker vllm` engines registered as ``both`` with ``profile``, pinned to cores 0 and 1."""
+def engines(
+    vllm_python: str,
+    model: Path,
+    profile: str,
+    redis_url: str,
+    log_dir: Path,
+    cores: Sequence[int] = (0, 1),
+    options: Sequence[str] = (),
+    vllm_args: Sequence[str] = VLLM_ARGS,
+) -> Iterator[Engines]:
+    """`ampd worker vllm` engines registered as ``both`` with ``profile``, one pinned to each of
+    ``cores``; ``options`` go to `ampd worker vllm`, ``vllm_args`` to vLLM."""
     children, urls = [], []
     try:
-        for core in (0, 1):
+        for core in cores:
             port = free_port()
             command = [
                 "worker", "vllm", "--model", str(model), "--served-model-name", "tiny-llama", "--role", "both",
                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", str(port),
                 "--side-channel-port", str(free_port()), "--kv-buffer-device", "cpu", "--profile", profile,
-                "--redis-url", redis_url, "--redis-prefix", PREFIX, "--ready-timeout", "900",
-                *(["--python", setup.vllm_python] if setup.vllm_python else []), "--", *VLLM_ARGS,
+                "--redis-url", redis_url, "--redis-prefix", PREFIX, "--ready-timeout", "900", *options,
+                *(["--python", vllm_python] if vllm_python else []), "--", *vllm_args,
             ]  # fmt: skip
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
             children.append(spawn(f"vllm-{core}", port, command, log=log_dir / f"vllm-{core}.log", cpu=core, env=env))
@@ -230,7 +247,8 @@ def observed_trace(trace: Sequence[TraceSession], records: dict[str, list[dict]]
     for session in trace:
         done = records.get(session.session_id, [])
         if len(done) != len(session.rounds):
-            raise RuntimeError(f"{session.session_id}: {len(done)} of {len(session.rounds)} rounds recorded")
+            raise RuntimeError(f"{session.session_id}: {len(done)} rounds recorded for its {len(session.rounds)}: "
+                               f"{json.dumps(done)[:2000]}")  # fmt: skip
         rounds, context = [], 0
         for spec, record in zip(session.rounds, done, strict=True):
             prompt = record["l_hist"] + record["l_incr"]
@@ -254,20 +272,25 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def live_metrics(rounds: Sequence[LiveRound], records: dict[str, list[dict]], slo: SLO) -> dict[str, float | None]:
-    """A live run's figures: TTFT as the client saw it, gaps between the tokens it received,
-    each round judged against ``slo`` by every ITL rule (its tail gaps as the gateway timed them)."""
-    incremental = {(sid, k) for sid, rs in records.items() for k, r in enumerate(rs) if r["kind"] == "incremental"}
-    initial = [r.ttft_s for r in rounds if (r.session_id, r.round) not in incremental]
-    later = [r.ttft_s for r in rounds if (r.session_id, r.round) in incremental]
+def live_metrics(rounds: Sequence[LiveRound], records: dict[str, list[dict]]) -> dict[str, float | None]:
+    """A live run's figures, taken where the simulator takes them: each round's TTFT and SLO
+    verdicts as the gateway recorded them (from the round's task to its first token at the
+    gateway, judged by the gateway against the same SLO), the gaps between the tokens the
+    client received. The client's TTFT (the gateway's own work before the round's task
+    included) is kept beside them, with no simulated counterpart."""
+    done = [r for rs in records.values() for r in rs]
+    initial = [r["ttft_s"] for r in done if r["kind"] == "initial" and r["ttft_s"] is not None]
+    later = [r["ttft_s"] for r in done if r["kind"] == "incremental" and r["ttft_s"] is not None]
     gaps = [g for r in rounds for g in r.gaps]
+    client = [r.ttft_s for r in rounds]
     out: dict[str, float | None] = {
         "ttft_initial_p50": _percentile(initial, 50), "ttft_initial_p95": _percentile(initial, 95),
         "ttft_incremental_p50": _percentile(later, 50), "ttft_incremental_p95": _percentile(later, 95),
         "gap_p50": _percentile(gaps, 50), "gap_p95": _percentile(gaps, 95),
+        "client_ttft_p50": _percentile(client, 50), "client_ttft_p95": _percentile(client, 95),
     }  # fmt: skip
     for rule in ITL_RULES:
-        out[f"attainment_{rule}"] = sum(slo.met(r.ttft_s, r.itl(rule)) for r in rounds) / len(rounds)
+        out[f"attainment_{rule}"] = sum(r["slo_met"][rule] for r in done) / len(done)
     return out
 
 
@@ -313,37 +336,63 @@ def rows(results: dict[tuple[str, str], list[tuple[dict, dict]]]) -> list[dict]:
 def run_fidelity(console: Console, setup: FidelitySetup, out: Path | None) -> int:
     setup.out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(setup.out_dir / "model")
-    redis = ensure_redis(setup.redis_url, setup.out_dir / "redis")
     try:
-        profile_path = setup.profile or measure_profile(console, setup, model, redis.url)
-        profile = load_profile(profile_path)
-        slo = derived_slo(profile)
-        console.print(f"SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, ITL {slo.itl_s * 1e3:.1f} ms (5x unloaded)")
-        results = compare(console, setup, model, profile_path, slo, redis.url)
+        with bench_redis(setup.redis_url, setup.out_dir) as redis_url:
+            profile_path = setup.profile or measure_profile(console, setup, model, redis_url)
+            profile = load_profile(profile_path)
+            slo = derived_slo(profile)
+            console.print(f"SLO: TTFT {slo.ttft_s * 1e3:.0f} ms, ITL {slo.itl_s * 1e3:.1f} ms (5x unloaded)")
+            runs = compare(console, setup, model, profile_path, slo, redis_url)
     except RuntimeError as exc:
         console.print(f"[red]{exc}[/red]")
         return 1
-    finally:
-        redis.stop()
+    report(console, setup_dict(setup), profile_path, runs, out)
+    return 0
+
+
+def resimulate(console: Console, previous: Path, out: Path | None) -> int:
+    """A fidelity report's live runs simulated again (the simulator changed, the live rounds did not).
+    A run's trace path is taken relative to the report's folder, so a report and its traces move together."""
+    document = json.loads(previous.read_text())
+    runs = [Run(r["policy"], r["load"], r["index"], r["live"], previous.parent / r["trace"]) for r in document["runs"]]
+    report(console, document["setup"], Path(document["profile"]), runs, out or previous)
+    return 0
+
+
+def report(console: Console, setup: dict, profile_path: Path, runs: Sequence[Run], out: Path | None) -> None:
+    profile = load_profile(profile_path)
+    slo = derived_slo(profile)
+    with console.status("simulating the live runs' rounds"):
+        sims = simulated(runs, profile, slo)
+    results: Results = {}
+    for run, sim in zip(runs, sims, strict=True):
+        results.setdefault((run.policy, run.load), []).append((run.live, sim))
     table_rows = rows(results)
     console.print(_table(table_rows))
     document = {"engine": "vllm", "profile": str(profile_path), "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
-                "setup": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items()},
-                "scheduler": asdict(SCHEDULER), "rows": table_rows,
-                "runs": [{"policy": p, "load": lo, "live": lv, "sim": sv}
-                         for (p, lo), runs in results.items() for lv, sv in runs]}  # fmt: skip
+                "setup": setup, "scheduler": asdict(SCHEDULER), "rows": table_rows,
+                "runs": [{"policy": r.policy, "load": r.load, "index": r.index, "trace": _relative(r.trace, out),
+                          "live": r.live, "sim": sim} for r, sim in zip(runs, sims, strict=True)]}  # fmt: skip
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"wrote {out}")
-    return 0
+
+
+def _relative(trace: Path, out: Path | None) -> str:
+    """A run's trace as the report names it: from the report's folder (see ``resimulate``)."""
+    return os.path.relpath(trace.resolve(), out.resolve().parent) if out is not None else str(trace.resolve())
+
+
+def setup_dict(setup: FidelitySetup) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items()}
 
 
 def measure_profile(console: Console, setup: FidelitySetup, model: Path, redis_url: str) -> Path:
     """``ampd profile --worker`` on the engines: engine 1 timed, and its KV hand-off from engine 0."""
     path = setup.out_dir / "tiny-llama-cpu_measured.json"
     with console.status("starting two vLLM engines to profile them"), \
-            engines(setup, model, "llama-3.1-8b_h100_tp1", redis_url, setup.out_dir) as e:  # fmt: skip
+            engines(setup.vllm_python, model, "llama-3.1-8b_h100_tp1", redis_url, setup.out_dir) as e:  # fmt: skip
         console.print(f"profiling {e.urls[1]} (its KV hand-off from {e.urls[0]})")
         set_roles(redis_url, "disagg", e.worker_ids)
         asyncio.run(profile_worker(e.urls[1], prefill_url=e.urls[0], model=model_spec(model), gpu=HOST_CPU,
@@ -353,17 +402,28 @@ def measure_profile(console: Console, setup: FidelitySetup, model: Path, redis_u
     return path
 
 
-Results = dict[tuple[str, str], list[tuple[dict, dict]]]  # (policy, load) -> (live, simulated) per run
+@dataclass(frozen=True)
+class Run:
+    """One live run: its figures, and its rounds as the engines counted them (to simulate)."""
+
+    policy: str
+    load: str
+    index: int
+    live: dict[str, float | None]
+    trace: Path  # the observed trace (JSONL)
 
 
 def compare(
     console: Console, setup: FidelitySetup, model: Path, profile_path: Path, slo: SLO, redis_url: str
-) -> Results:
-    """Every policy, load and run, live on the engines and simulated with their profile."""
-    profile, letters = load_profile(profile_path), letter_ids(model)
-    results: Results = {}
+) -> list[Run]:
+    """Every policy, load and run live on the engines; each run's rounds (the observed trace, and
+    the gateway's records) kept beside its figures."""
+    letters = letter_ids(model)
+    traces = setup.out_dir / "traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    runs: list[Run] = []
     with console.status("starting two vLLM engines"), \
-            engines(setup, model, str(profile_path), redis_url, setup.out_dir) as e:  # fmt: skip
+            engines(setup.vllm_python, model, str(profile_path), redis_url, setup.out_dir) as e:  # fmt: skip
         for policy in setup.policies:
             set_roles(redis_url, policy, e.worker_ids)
             with gateway(policy, slo, redis_url, setup.out_dir) as url:
@@ -372,26 +432,39 @@ def compare(
                         trace = [s.model_copy(update={"session_id": f"{policy}-{load}-{run}-{s.session_id}"})
                                  for s in generate(WORKLOADS[setup.workload], setup.sessions, setup.rate(load),
                                                    seed=setup.seed + run)]  # fmt: skip
-                        live, sim = _one_run(url, trace, letters, f"{policy}:{load}:{run}:{time.time()}", profile,
-                                             policy, slo)  # fmt: skip
-                        results.setdefault((policy, load), []).append((live, sim))
-                        console.print(f"{policy} {load} run {run + 1}: live {_brief(live)}; sim {_brief(sim)}")
-    return results
+                        salt = f"{policy}:{load}:{run}:{time.time()}"
+                        live, records = _live_run(url, trace, letters, salt)
+                        path = traces / f"{policy}-{load}-{run}.jsonl"
+                        write_trace(observed_trace(trace, records), path)
+                        path.with_suffix(".records.json").write_text(json.dumps(records) + "\n")
+                        runs.append(Run(policy, load, run, live, path))
+                        console.print(f"{policy} {load} run {run + 1}: live {_brief(live)}")
+    return runs
 
 
-def _one_run(
-    url: str, trace: list[TraceSession], letters: tuple[int, ...], salt: str, profile: Profile, policy: str, slo: SLO
-) -> tuple[dict, dict]:
+def _live_run(
+    url: str, trace: list[TraceSession], letters: tuple[int, ...], salt: str
+) -> tuple[dict[str, float | None], dict[str, list[dict]]]:
+    """The trace replayed live; its figures, and the rounds as the gateway recorded them."""
     rounds = asyncio.run(replay(url, trace, 1.0, dialect=VllmDialect(letters, salt)))
-    _, _, _, tails = asyncio.run(read_back(url, trace))
-    rounds = with_gateway_tails(rounds, tails)
     records = asyncio.run(_records(url, trace))
     served = {r["decode_worker"] for rs in records.values() for r in rs}
     if not all(w.startswith("vllm-") for w in served):
         raise RuntimeError(f"rounds were served by {sorted(served)}, not by the vLLM engines")
-    sim = Simulation(sim_config(policy, profile, slo), observed_trace(trace, records), keep_gaps=True)
-    sim.run()
-    return live_metrics(rounds, records, slo), sim_metrics(sim, slo)
+    return live_metrics(rounds, records), records
+
+
+def simulated(runs: Sequence[Run], profile: Profile, slo: SLO) -> list[dict[str, float | None]]:
+    """Each run's rounds through the simulator on the live deployment, in the runs' order."""
+    out = []
+    for run in runs:
+        sim = Simulation(sim_config(run.policy, profile, slo), load_trace(run.trace), keep_gaps=True)
+        sim.run()
+        out.append(sim_metrics(sim, slo))
+    return out
+
+
+Results = dict[tuple[str, str], list[tuple[dict, dict]]]  # (policy, load) -> (live, simulated) per run
 
 
 def _brief(m: dict) -> str:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ampd.local_redis import NoRedis, ensure_redis
+from ampd.local_redis import NoRedis, delete_prefix, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.stack import STATE_DIR
 from bench.replay import LiveRound, read_back, replay, with_gateway_tails
@@ -149,7 +149,7 @@ def live_stack(setup: LiveSetup, step_target_s: float = 0.0) -> Iterator[tuple[s
     finally:
         for child in reversed(children):
             child.stop()
-        _flush(redis.url)
+        delete_prefix(redis.url, PREFIX)
         redis.stop()
 
 
@@ -294,13 +294,3 @@ def _table(live: dict, sim: dict, points: float, rel: float) -> Table:
     if live["itl_p95_s"] is not None and sim["itl_p95_s"] is not None:
         table.add_row("P95 ITL", f"{live['itl_p95_s'] * 1e3:,.1f} ms", f"{sim['itl_p95_s'] * 1e3:,.1f} ms", "")
     return table
-
-
-def _flush(redis_url: str) -> None:
-    """Drop what the run left under its prefix."""
-    import redis as redis_lib
-
-    client = redis_lib.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(f"{PREFIX}:*", count=1000))
-    for start in range(0, len(keys), 500):
-        client.delete(*keys[start : start + 500])

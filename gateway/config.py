@@ -8,7 +8,7 @@ import secrets
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from perfmodel.profile import Profile
-from perfmodel.slo import SLO, ItlRule, derived_slo
+from perfmodel.slo import ALPHA, BETA, SLO, ItlRule, derived_slo
 from rounds.elastic import RolePlan
 from rounds.policies import POLICIES
 from surface.registry import Role
@@ -38,8 +38,8 @@ class GatewayConfig(BaseModel):
     replica_id: str = Field(default_factory=lambda: secrets.token_hex(6))
 
     policy: str = "ampd"
-    alpha: float = Field(default=0.9, gt=0, description="TTFT slack factor of Alg. 1")
-    beta: float = Field(default=0.85, gt=0, description="ITL slack factor of Alg. 1")
+    alpha: float = Field(default=ALPHA, gt=0, description="TTFT slack factor of Alg. 1")
+    beta: float = Field(default=BETA, gt=0, description="ITL slack factor of Alg. 1")
     reorder_window: int = Field(default=3, ge=1, le=6, description="w of Alg. 2 (window and postponement cap)")
     stats_window_s: int = Field(default=10, ge=1, description="windowed TTFT/ITL statistics span")
     ttft_slo_s: float | None = Field(default=None, gt=0, description="default: scale x unloaded TTFT")

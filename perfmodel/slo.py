@@ -58,6 +58,13 @@ class Gaps:
         return {"mean": self.mean_s, "p95": self.p95_s, "max": self.max_s}[rule]
 
 
+# Alg. 1's slack factors (AMPD, "Efficient Multi-round LLM Inference over Disaggregated
+# Serving", section 4.2): a prefill must start within ALPHA x the TTFT SLO, and a decode
+# engine counts as lightly loaded below BETA x the ITL SLO. The defaults of every layer.
+ALPHA = 0.9
+BETA = 0.85
+
+
 @dataclass(frozen=True)
 class SLO:
     ttft_s: float

@@ -37,7 +37,7 @@ from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Efficiency, Profile, load_profile
 from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
-from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
+from perfmodel.slo import BETA, REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.split_search import Climb
@@ -45,6 +45,7 @@ from planner.tau_search import Family, Sample, search
 from planner.trace import TraceSession, subsample
 from rounds.elastic import RolePlan
 from rounds.engine.scheduler import SchedulerConfig
+from rounds.policies import POLICIES, step_target
 
 Progress = Callable[[str], None]
 
@@ -426,10 +427,19 @@ class DeploymentFile(BaseModel):
             raise ValueError("a deployment is a prefill and a decode pool, or one pool (with its role plan)")
         return self
 
+    @property
+    def step_target_ms(self) -> float:
+        """The step time its engines keep to while they decode under its policy, SLO and ITL
+        rule (rounds.policies.step_target, as the simulator judged it); 0: vLLM's own steps."""
+        slo = SLO(self.ttft_slo_s, self.itl_slo_s)
+        return 1000 * step_target(POLICIES[self.policy], slo, self.itl_rule, BETA) if self.policy in POLICIES else 0.0
+
     def env(self) -> str:
         """The same decision as docker compose variables (``--env-file``)."""
         lines: dict[str, object] = {"AMPD_MODEL": self.model, "AMPD_POLICY": self.policy,
                                     "AMPD_ITL_SLO_METRIC": self.itl_rule}  # fmt: skip
+        if self.step_target_ms > 0:
+            lines["AMPD_STEP_TARGET_MS"] = round(self.step_target_ms, 3)
         for name, phase in (("PREFILL", self.prefill), ("DECODE", self.decode), ("POOL", self.pool)):
             if phase is None:
                 lines[f"{name}_REPLICAS"] = 0
@@ -447,10 +457,12 @@ class DeploymentFile(BaseModel):
         planner, not shipped in the images) travels in the values - its text from
         ``profile_files`` (path -> JSON) - and the engines read it from a ConfigMap mounted
         at HELM_PROFILE_DIR (gateways get profiles from the engines' registrations)."""
-        values: dict = {"model": self.model, "policy": self.policy, "profiles": {}}
+        values: dict = {"model": self.model, "policy": self.policy, "profiles": {}, "engines": {}}
         spec = MODELS.get(self.model)
         if spec is not None:
-            values["engines"] = {"vllm": {"model": spec.hf_id}}
+            values["engines"]["vllm"] = {"model": spec.hf_id}
+        if self.step_target_ms > 0:
+            values["engines"]["stepTargetMs"] = round(self.step_target_ms, 3)
         for name in ("prefill", "decode", "pool"):
             phase: PhaseDeployment | None = getattr(self, name)
             if phase is None:

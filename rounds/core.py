@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from perfmodel.profile import Profile
-from perfmodel.slo import ITL_RULES, SLO, Gaps, ItlRule
+from perfmodel.slo import ALPHA, BETA, ITL_RULES, SLO, Gaps, ItlRule
 from rounds.binding import DecodeCandidate, choose_decode_worker
 from rounds.policies import Policy, pick, route
 from rounds.reordering import Decision, QueuedTask
@@ -181,8 +181,8 @@ class RoundCore:
     def __init__(
         self,
         policy: Policy,
-        alpha: float = 0.9,
-        beta: float = 0.85,
+        alpha: float = ALPHA,
+        beta: float = BETA,
         window: int = 3,
         rng: random.Random | None = None,
         itl_rule: ItlRule = "mean",

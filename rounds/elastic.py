@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from perfmodel.profile import Profile
-from perfmodel.slo import SLO
+from perfmodel.slo import ALPHA, BETA, SLO
 from rounds.roles import Assignment, Role
 
 
@@ -212,8 +212,8 @@ def forecast(series: Sequence[float]) -> float:
 class ElasticController:
     config: ElasticConfig
     slo: SLO
-    alpha: float = 0.9  # Alg. 1's TTFT slack factor, the budget a prefill must start within
-    beta: float = 0.85  # Alg. 1's ITL slack factor, decode's "low load"
+    alpha: float = ALPHA  # Alg. 1's TTFT slack factor, the budget a prefill must start within
+    beta: float = BETA  # Alg. 1's ITL slack factor, decode's "low load"
     plan: RolePlan | None = None  # the planner's splits by load (used where config.planned)
     demand: list[Demand] = field(default_factory=list)
     target_prefill: int | None = None  # the split for the forecast load

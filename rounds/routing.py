@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from perfmodel.profile import Profile, t_kv
-from perfmodel.slo import SLO, ItlRule
+from perfmodel.slo import ALPHA, BETA, SLO, ItlRule
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,8 @@ class RouteContext:
     decode: WorkerView  # the session's decode worker
     prefills: Sequence[WorkerView]  # prefill workers it may use (none: local only)
     slo: SLO
-    alpha: float = 0.9  # Alg. 1's TTFT slack factor
-    beta: float = 0.85  # Alg. 1's ITL slack factor
+    alpha: float = ALPHA  # Alg. 1's TTFT slack factor
+    beta: float = BETA  # Alg. 1's ITL slack factor
     rng: random.Random = field(default_factory=random.Random)
     block_size: int = 16  # tokens per KV block: prefix caches hit whole blocks
     itl_rule: ItlRule = "mean"  # how rounds are judged (perfmodel.slo): tail-aware rules read it

@@ -109,6 +109,22 @@ def _index(prefix: str) -> str:
     return f"{prefix}:workers"
 
 
+def role_key(prefix: str, worker_id: str) -> str:
+    """An engine's assignment (gateway.state.role_store): its role, and the step target its
+    scheduler keeps to (``step_target_ms``), which the engine's supervisor follows."""
+    return f"{prefix}:role:{worker_id}"
+
+
+async def step_target_ms(redis: aioredis.Redis, prefix: str, worker_id: str) -> float | None:
+    """The step target assigned to an engine, if any."""
+    value = await redis.hget(role_key(prefix, worker_id), "step_target_ms")
+    return float(value) if value not in (None, "") else None
+
+
+async def set_step_target_ms(redis: aioredis.Redis, prefix: str, worker_id: str, target_ms: float) -> None:
+    await redis.hset(role_key(prefix, worker_id), "step_target_ms", repr(float(target_ms)))
+
+
 def tokenizer_key(prefix: str, model: str) -> str:
     """A served model's tokenizer files, one key per model name."""
     return f"{prefix}:tokenizer:{model}"

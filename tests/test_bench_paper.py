@@ -109,3 +109,25 @@ def test_the_command_writes_the_grid_and_sensitivity(tmp_path):
                          (["--rules", "p99"], "bad --rules")):  # fmt: skip
         wrong = subprocess.run([*command[:5], *bad], capture_output=True, text=True, timeout=60)
         assert wrong.returncode != 0 and message in wrong.stdout + wrong.stderr
+
+
+def test_the_sensitivity_sweep_sets_each_verdict_beside_the_efficiency(tmp_path):
+    """`ampd bench sensitivity`: the grid at one point, the profiles derived at two GEMM
+    efficiencies; each published verdict's two sides at each, and each cell's winners."""
+    command = [sys.executable, "-m", "ampd.cli", "bench", "sensitivity", "--points", "toolbench=0.6",
+               "--efficiencies", "0.45,0.75", "--rules", "p95", "--scales", "3", "--model", "llama-3.1-8b",
+               "--gpu", "H100", "--sessions", "15", "--out-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verdicts = json.loads((tmp_path / "sensitivity.json").read_text())["verdicts"]
+    assert [(v["efficiency"], v["rule"], v["scale"]) for v in verdicts] == [(0.45, "p95", 3.0), (0.75, "p95", 3.0)]
+    for v in verdicts:
+        assert set(v["attainment"]) == set(POLICIES) and v["best_attainment"] == max(v["attainment"].values())
+        assert set(v["winners"]) == {p for p, a in v["attainment"].items() if a == v["best_attainment"]}
+    faster = {p: b - a for p, a, b in zip(verdicts[0]["attainment"], verdicts[0]["attainment"].values(),
+                                          verdicts[1]["attainment"].values(), strict=True)}  # fmt: skip
+    assert sum(faster.values()) >= 0  # cheaper prefill serves the same trace no worse overall
+    report = (tmp_path / "sensitivity.md").read_text()
+    assert "| toolbench | 0.6 | p95, x3 | ampd vs disagg | 0.45: " in report and "## Each cell's winners" in report
+    wrong = subprocess.run([*command[:5], "--efficiencies", "1.5"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode != 0 and "fractions of peak" in wrong.stdout + wrong.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ from ampd.cli import app
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from perfmodel.profile import load_profile
+from perfmodel.slo import BETA, SLO
 from planner.plan import DeploymentFile, PhaseDeployment
 from rounds.elastic import RolePlan, RoleStep
+from rounds.policies import POLICIES, step_target
 
 pytestmark = pytest.mark.unit
 
@@ -104,6 +107,27 @@ def test_a_deployment_file_sets_pool_sizes_and_parallelism():
     assert parse_ampd(planned["gateway"]["command"]).params["role_plan"] in ("", None)
 
 
+@pytest.mark.parametrize("policy, rule", [("dynaserve", "p95"), ("ampd", "p95"), ("dynaserve", "mean")])
+def test_a_policy_that_sizes_steps_hands_every_engine_its_target(monkeypatch, policy, rule):
+    """Step sizing where the simulator judged the plan with it (rounds.policies.step_target):
+    the target reaches vLLM engines (ampd's scheduler) and GPU-free ones alike; elsewhere
+    vLLM keeps its own scheduler."""
+    plan = DeploymentFile(
+        model="llama-3.1-70b", policy=policy, itl_rule=rule,
+        prefill=PhaseDeployment(gpu="H20", tp=2, replicas=1, profile="llama-3.1-70b_h20_tp2"),
+        decode=PhaseDeployment(gpu="H20", tp=4, replicas=1, profile="llama-3.1-70b_h20_tp4"),
+        ttft_slo_s=5.0, itl_slo_s=0.1, predicted_slo_attainment=0.9, predicted_p95_ttft_s=1.0,
+    )  # fmt: skip
+    expected = 1000 * step_target(POLICIES[policy], SLO(5.0, 0.1), rule, BETA)
+    assert plan.step_target_ms == pytest.approx(expected) and (expected > 0) == ((policy, rule) == ("dynaserve", "p95"))
+    planned = services(dict(line.split("=", 1) for line in plan.env().splitlines()))
+    for name in ("prefill", "decode", "pool", "prefill-cpu", "decode-cpu", "pool-cpu"):
+        monkeypatch.setenv("AMPD_STEP_TARGET_MS", planned[name]["environment"]["AMPD_STEP_TARGET_MS"])
+        given = parse_ampd(planned[name]["command"]).params["step_target_ms"]
+        sim_default = 0.0 if name.endswith("-cpu") else None  # vLLM: its own scheduler unless a target is given
+        assert given == (pytest.approx(expected, abs=1e-3) if expected else sim_default), name
+
+
 def test_an_elastic_deployment_file_starts_one_pool_and_hands_the_gateway_its_plan():
     plan = RolePlan((RoleStep(1.0, {0: 0.99, 2: 0.97}), RoleStep(3.0, {0: 0.4, 2: 0.9})))
     elastic = DeploymentFile(
@@ -140,6 +164,18 @@ def test_files_it_builds_and_mounts_exist():
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+
+
+def test_every_image_copies_every_package_it_installs():
+    """A package the project installs but an image does not copy fails only at import, in the
+    container (the house's move of the round core to rounds/ and surface/ once did)."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in include}
+    for dockerfile in {ROOT / s["build"]["context"] / s["build"]["dockerfile"] for s in services().values()
+                       if "build" in s}:  # fmt: skip
+        copied = {Path(source).name for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")
+                  for source in line.split()[1:-1]}  # fmt: skip
+        assert packages <= copied, f"{dockerfile.name} does not copy {sorted(packages - copied)}"
 
 
 def test_telemetry_wiring_points_at_services_that_exist():

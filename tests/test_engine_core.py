@@ -90,7 +90,9 @@ def test_step_times_equal_the_profile():
     assert mixed.duration == pytest.approx(PROFILE.step_time(prefills=[(0, 100)], decode_contexts=[701]))
 
 
-def test_prefill_before_decode_under_a_tight_budget():
+def test_running_requests_come_before_admissions_under_a_tight_budget():
+    """vLLM 0.32's order (Scheduler.schedule): the running requests take their tokens first,
+    a waiting prompt the rest of the budget, chunked."""
     s = Scheduler(PROFILE, SchedulerConfig(num_blocks=1024, max_num_batched_tokens=64))
     decoders = [make_request(f"d{i}", tokens(16, start=1000 * (i + 1)), out=50) for i in range(8)]
     for r in decoders:
@@ -100,15 +102,13 @@ def test_prefill_before_decode_under_a_tight_budget():
         s.finish_step(s.schedule(0.2), 0.3)
     s.add_request(make_request("long", tokens(200, start=90_000), out=3))
     step = s.schedule(1.0)
-    # The new prefill takes the budget first (64 - 8 decodes would otherwise leave 56);
-    # decodes get only what is left: nothing.
-    assert [(r.request_id, n) for r, n in step.prefills] == [("long", 64)]
-    assert step.decodes == []
+    # Eight decodes first (one token each), then the new prompt: 64 - 8 = 56 of its tokens.
+    assert [r.request_id for r in step.decodes] == [f"d{i}" for i in range(8)]
+    assert [(r.request_id, n) for r, n in step.prefills] == [("long", 56)]
     s.finish_step(step, 1.1)
-    # The next chunk of the long prefill also comes before any decode.
+    # Now running, the long prompt's next chunk comes after the decodes admitted before it.
     step = s.schedule(1.1)
-    assert [(r.request_id, n) for r, n in step.prefills] == [("long", 64)]
-    assert step.decodes == []
+    assert len(step.decodes) == 8 and [(r.request_id, n) for r, n in step.prefills] == [("long", 56)]
 
 
 def test_decodes_fill_what_prefill_leaves():

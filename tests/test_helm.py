@@ -435,6 +435,24 @@ def test_gpu_free_engines_external_redis_and_gpu_node_selection():
     assert ref == {"secretKeyRef": {"name": "shared-redis", "key": "url"}}
 
 
+def test_a_plan_that_sizes_steps_starts_every_engine_with_its_target():
+    """dynaserve under the P95 rule: ampd's scheduler in vLLM, and the GPU-free engines alike,
+    keep to the plan's step target; the default plan leaves vLLM its own scheduler."""
+    sized = SPLIT.model_copy(update={"policy": "dynaserve", "itl_rule": "p95"})
+    assert sized.step_target_ms > 0
+    assert sized.helm_values()["engines"]["stepTargetMs"] == pytest.approx(sized.step_target_ms, abs=1e-3)
+    for kind in ("vllm", "sim"):
+        values = sized.helm_values()
+        values["engines"]["kind"] = kind
+        for workload in engines(render(values)).values():
+            (container,) = pod_spec(workload)["containers"]
+            assert parse_ampd(expanded(container)).params["step_target_ms"] == pytest.approx(sized.step_target_ms,
+                                                                                          abs=1e-3)  # fmt: skip
+    for workload in engines(render(SPLIT.helm_values())).values():
+        (container,) = pod_spec(workload)["containers"]
+        assert parse_ampd(expanded(container)).params["step_target_ms"] is None
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize(
     ("values", "message"),

@@ -76,6 +76,15 @@ def test_an_engine_moves_to_prefill_and_its_sessions_reach_their_kv_there(tmp_pa
         # A new session binds only to the engine that still decodes.
         assert ask(gateway.url, "s2", "hello").headers["x-ampd-decode-worker"] == worker_id(staying)
 
+        # A step target beside the role (what a vLLM engine's supervisor follows), kept by role moves.
+        target = ampd("workers", "step-target", home, "42.5", *redis_options)
+        assert target.returncode == 0 and f"{home}: step target 42.5 ms" in target.stdout, target.stdout + target.stderr
+        assert ampd("workers", "set", home, "decode", *redis_options).returncode == 0
+        assert store.hgetall(f"{prefix}:role:{home}") | {"since": ""} == {"role": "decode", "step_target_ms": "42.5",
+                                                                           "since": "", "draining": ""}  # fmt: skip
+        refused = ampd("workers", "step-target", "nobody", "10", *redis_options)
+        assert refused.returncode != 0 and "no engine 'nobody'" in refused.stdout
+
         wrong = ampd("workers", "set", home, "cook", *redis_options)
         assert wrong.returncode != 0 and "role must be one of" in wrong.stdout + wrong.stderr
         missing = ampd("workers", "set", "nobody", "decode", *redis_options)

@@ -21,6 +21,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,6 +34,8 @@ import redis.asyncio as aioredis
 from ampd.local_redis import free_port
 from ampd.processes import spawn
 from gateway.engines.model_tokenizer import ModelTokenizer
+from perfmodel.profile import DEFAULT_PROFILE, load_profile
+from rounds.engine.step_budget import MIN_PREFILL_TOKENS, step_token_budget
 from surface.registry import WorkerInfo, live_workers, tokenizer_key
 from tests import conversations
 from tests import test_engine_protocol as protocol
@@ -65,8 +69,13 @@ VLLM_TIMEOUT = pytest.mark.timeout(900)
 pytestmark = VLLM_TIMEOUT
 
 
+# A drain waits for the engine's every request; one an earlier test left behind (seen once in
+# CI under load: the decode worker still draining 120 s after SIGTERM) must not hold a test that
+# stops an engine past its wait. The worker logs what a slow drain waits on.
+DRAIN_TIMEOUT_S = 45.0
 LOG_TAIL_LINES = 40
 _logs: list[Path] = []  # the running engines' logs, for failure_context
+STEP_LOGS: dict[str, Path] = {}  # the decode engine's step log, by registry prefix
 
 
 def failure_context() -> str:
@@ -92,7 +101,7 @@ def start_vllm_worker(
         "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both", *options,
         "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
         "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-        "--ready-timeout", str(READY_TIMEOUT_S), "--", *vllm_args,
+        "--ready-timeout", str(READY_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S), "--", *vllm_args,
     ]  # fmt: skip
     log = tmp / f"vllm-{name}.log"
     _logs.append(log)
@@ -204,7 +213,11 @@ def vllm(tmp_path_factory) -> Iterator[tuple[Engine, Engine, str]]:
     subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.tiny_model", str(model_dir)], cwd=ROOT, check=True)
     prefix = f"vllm-{uuid.uuid4().hex[:8]}"
     prefill = start_vllm_worker(tmp, model_dir, "prefill", prefix)
-    decode = start_vllm_worker(tmp, model_dir, "decode", prefix)
+    # The decode engine runs ampd's scheduler (workers.vllm.step_sizing), its target off until
+    # the step-sizing test sets one: every other test checks that it then schedules as vLLM does.
+    STEP_LOGS[prefix] = tmp / "steps.jsonl"
+    decode = start_vllm_worker(tmp, model_dir, "decode", prefix, "--step-target-ms", "0",
+                               "--step-log", str(STEP_LOGS[prefix]))  # fmt: skip
     try:
         wait_registered([prefill, decode], prefix, tmp)
         ids = {u: info.worker_id for u, info in registered(prefix).items()}
@@ -441,6 +454,104 @@ def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, ga
         set_roles(prefix, restored)
         for url in gateways:
             until(roles_applied(url, restored), 120, "the gateways to apply the roles again")
+
+
+def test_the_installed_vllm_has_what_ampds_scheduler_overrides():
+    """The guard for a vLLM upgrade: the scheduler's seams are all there, with a clear message if not."""
+    done = subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.step_sizing"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_steps_keep_to_the_target_while_streams_decode_and_answers_do_not_change(vllm):
+    """ampd's scheduler in the decode engine: streams decode while a long prompt arrives, first
+    with the target off (vLLM's budget: the prompt in one chunk), then with a target set in the
+    registry, as an operator or a role change does, without a restart. Each step that carried
+    the prompt beside the decodes keeps to the target as the engine's profile prices it (or
+    takes the floor), and the prompt's greedy answer is the same token for token."""
+    _, decode, prefix = vllm
+    steps, log = STEP_LOGS[prefix], STEP_LOGS[prefix].with_name("vllm-decode.log")
+    profile = load_profile(DEFAULT_PROFILE)
+    first = beside_decodes(decode, steps, "untargeted")
+    untargeted = [json.loads(line) for line in _lines(steps)]
+    assert all(s["target_s"] == 0 and s["budget"] == s["full"] for s in untargeted)
+    assert max(s["prefill_tokens"] for s in untargeted) >= first.prompt_tokens  # the prompt in one chunk
+    full = untargeted[-1]["full"]  # vLLM's budget on its CPU build
+
+    target_s = profile.step_time([(0, 256)], [STREAM_CONTEXT] * STREAMS)  # about 256 prefill tokens a step
+    set_step_target(prefix, registered(prefix)[decode.url].worker_id, target_s * 1e3, log)
+    try:
+        second = beside_decodes(decode, steps, "targeted")
+    finally:
+        set_step_target(prefix, registered(prefix)[decode.url].worker_id, 0.0, log)
+    assert second.text == first.text and second.prompt_tokens == first.prompt_tokens  # greedy: the same tokens
+    targeted = [s for s in map(json.loads, _lines(steps)[len(untargeted) :]) if s["target_s"] > 0]
+    assert targeted and all(s["scheduled"] <= s["budget"] <= s["full"] for s in targeted)
+    carried = [s for s in targeted if s["prefill_tokens"] > 0 and s["decodes"] == STREAMS]
+    assert len(carried) >= 2 and all(s["prefill_tokens"] < second.prompt_tokens for s in carried), carried
+    for s in carried:  # the step's own prediction within the target, unless it took the floor
+        assert s["predicted_s"] <= s["target_s"] * (1 + 1e-6) or s["prefill_tokens"] <= MIN_PREFILL_TOKENS, s
+        decoding = [STREAM_CONTEXT] * s["decodes"]  # contexts only grow, and a larger one leaves less room
+        assert s["budget"] <= step_token_budget(profile, s["target_s"], decoding, 0, full) < full, s
+
+
+STREAMS, STREAM_CONTEXT = 4, 40
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    prompt_tokens: int
+
+
+def beside_decodes(engine: Engine, steps: Path, salt: str) -> Answer:
+    """A long prompt's greedy answer, sent once four streams decode (the step log shows them).
+    Each pass has a cache salt of its own: the prompt is computed, not found in the prefix cache."""
+    seen = len(_lines(steps))
+    rng = random.Random(7)
+    prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(1500))
+
+    def complete(text: str, max_tokens: int, stream: bool) -> Answer:
+        body = {"model": MODEL, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "cache_salt": salt, "stream": stream}  # fmt: skip
+        if not stream:
+            response = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=600)
+            assert response.status_code == 200, response.text
+            reply = response.json()
+            return Answer(reply["choices"][0]["text"], reply["usage"]["prompt_tokens"])
+        with httpx.stream("POST", f"{engine.url}/v1/completions", json=body, timeout=600) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+        return Answer("".join(c["choices"][0]["text"] for c in chunks if c["choices"]), 0)
+
+    with ThreadPoolExecutor(STREAMS) as pool:
+        streams = [pool.submit(complete, "abcd" * (STREAM_CONTEXT // 4), 400, True) for _ in range(STREAMS)]
+        deadline = time.monotonic() + 300
+        while not any(json.loads(line)["decodes"] == STREAMS for line in _lines(steps)[seen:]):
+            assert time.monotonic() < deadline, "the streams never decoded together"
+            assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
+            time.sleep(0.2)
+        answer = complete(prompt, 8, False)
+        assert all(s.result().text for s in streams)
+    return answer
+
+
+def _lines(steps: Path) -> list[str]:
+    return steps.read_text().splitlines() if steps.exists() else []
+
+
+def set_step_target(prefix: str, worker_id: str, target_ms: float, log: Path) -> None:
+    """`ampd workers step-target`, then until the engine's supervisor says it handed it on."""
+    said = f"step target {target_ms:.1f} ms"
+    before = log.read_text().count(said)
+    command = [sys.executable, "-m", "ampd.cli", "workers", "step-target", worker_id, f"{target_ms:.3f}",
+               "--redis-url", REDIS_URL, "--redis-prefix", prefix]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    deadline = time.monotonic() + 60
+    while log.read_text().count(said) == before:
+        assert time.monotonic() < deadline, f"the engine never took the target {target_ms:.1f} ms"
+        time.sleep(0.2)
 
 
 def test_sigterm_drains_the_decode_worker(vllm, gateways):

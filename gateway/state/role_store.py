@@ -1,6 +1,7 @@
 """Engine roles in Redis, shared by every gateway replica (rounds.roles says what they mean).
 
-``{p}:role:{w}`` is a hash (role, since, draining) per engine. The elastic controller's
+``{p}:role:{w}`` is a hash (role, since, draining; and the step target an engine's
+scheduler keeps to, surface.registry.step_target_ms) per engine. The elastic controller's
 leader writes it when it moves an engine, an operator with ``ampd workers set``; every
 replica reads the roles with its pool refresh, so a move reaches all of them within a
 refresh interval and needs no restart of anything. An engine with no hash keeps the
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 
 from gateway.state import scripts
 from rounds.roles import ROLES, Assignment
+from surface.registry import role_key
 
 LEADER_TTL_S = 3.0
 
@@ -29,7 +31,7 @@ class RoleStore:
         self._lease = redis.register_script(scripts.LEASE)
 
     def _key(self, worker_id: str) -> str:
-        return f"{self.p}:role:{worker_id}"
+        return role_key(self.p, worker_id)
 
     async def load(self, worker_ids: Sequence[str]) -> dict[str, Assignment]:
         """The assigned roles of these engines (those with none are left out)."""

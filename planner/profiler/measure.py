@@ -41,6 +41,7 @@ import json
 import math
 import random
 import statistics
+import string
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,8 +65,9 @@ Progress = Callable[[str], None]
 
 STATS_WAIT_S = 10.0  # how long an engine may take to publish a request's stats
 # Ordinary text the served model's tokenizer splits into the ids random prompts are drawn from.
-VOCABULARY_TEXT = (
-    " ".join(f"{a}{b}{c}" for a in "bdfgklmnprstvz" for b in "aeiou" for c in "nrst") + " 0 1 2 3 4 5 6 7 8 9"
+VOCABULARY_TEXT = " ".join(
+    [f"{a}{b}{c}" for a in "bdfgklmnprstvz" for b in "aeiou" for c in "nrst"]
+    + list(string.digits + string.ascii_uppercase + string.punctuation)
 )
 MIN_VOCABULARY = 64  # distinct ids: fewer, and two random prompts could share a cached prefix
 

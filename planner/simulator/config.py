@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from perfmodel.profile import Profile
-from perfmodel.slo import SLO, ItlRule
+from perfmodel.slo import ALPHA, BETA, SLO, ItlRule
 from rounds.elastic import RolePlan
 from rounds.engine.scheduler import SchedulerConfig
 
@@ -31,8 +31,8 @@ class SimConfig:
     prefill: Pool | None
     slo: SLO
     policy: str = "ampd"
-    alpha: float = 0.9
-    beta: float = 0.85
+    alpha: float = ALPHA
+    beta: float = BETA
     window: int = 3
     stats_window_s: int = 10
     prefill_slots: int = 1

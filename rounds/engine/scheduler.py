@@ -5,10 +5,14 @@ batching under a per-step token budget (``max_num_batched_tokens``) with chunked
 prefill, at most ``max_num_seqs`` running requests, paged KV with prefix caching
 (rounds.engine.kv_cache), and recompute preemption when the cache runs out.
 
-One deliberate difference: the budget goes to prefill work first and decodes take
-what is left. That is the behaviour AMPD assumes ("Efficient Multi-round LLM Inference over Disaggregated Serving",
-section 3, footnote 3: prefill tasks are prioritised over decoding), and it is what
-makes a local incremental prefill pause the decode batch it lands on.
+A step schedules as vLLM 0.32's does (``Scheduler.schedule`` in
+vllm/v1/core/sched/scheduler.py): first the running requests in the order they were
+admitted - a decode takes its one token, a request mid-prefill its next chunk - then
+admissions from the waiting queue, in order, while budget remains. So a local
+incremental prefill runs in the same step as the decodes of the engine it lands on and
+lengthens it (AMPD, "Efficient Multi-round LLM Inference over Disaggregated Serving",
+section 3, footnote 3: the prefill is not deferred behind decoding), and a prompt longer
+than what the decodes leave of the budget is chunked, as on vLLM.
 
 The caller drives it::
 
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 from perfmodel.profile import Profile
 from rounds.engine.kv_cache import KVCache
 from rounds.engine.request import Request, RequestStatus
+from rounds.engine.step_budget import prefill_within_target
 
 
 @dataclass(frozen=True)
@@ -171,12 +176,19 @@ class Scheduler:
             [r.num_computed_tokens for r in self.running if r.is_decoding] if self.config.step_target_s > 0 else []
         )  # the contexts a step's prefills are sized around (SLO-aware batching)
 
-        # 1. Prefill first: running requests mid-prefill (chunked), oldest first ...
+        # 1. The running requests, in the order they were admitted: a decode's token, or the
+        #    next chunk of a request mid-prefill ...
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.is_decoding or request.status != RequestStatus.RUNNING:
-                continue  # decodes come last; victims of an earlier preemption are out
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if request.is_decoding:
+                if self._reserve(request, 1, step, scheduled):
+                    step.decodes.append(request)
+                    scheduled.add(request.request_id)
+                    budget -= 1
+                continue
             n = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
                             step, request.num_computed_tokens, decoding)  # fmt: skip
             if n == 0:
@@ -206,19 +218,6 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-
-        # 3. Decodes take the rest of the budget.
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if not request.is_decoding or request.request_id in scheduled:
-                continue
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            if self._reserve(request, 1, step, scheduled):
-                step.decodes.append(request)
-                scheduled.add(request.request_id)
-                budget -= 1
 
         step.duration = self.profile.step_time(
             prefills=[(r.num_computed_tokens, n) for r, n in step.prefills],
@@ -391,28 +390,10 @@ class Scheduler:
 
     def _within_target(self, step: Step, context: int, n: int, decoding: list[int]) -> int:
         """At most ``n`` prefill tokens at ``context`` that keep the step - the prefills chosen
-        so far and every decoding request - within ``step_target_s``.
-
-        DynaServe's local scheduler ("DynaServe: Unified and Elastic Execution for Dynamic
-        Disaggregated LLM Serving", section 4.2, Alg. 2: MaxPrefillAllowed): the prefill
-        budget of a batch is what its decodes leave under the TBT SLO. The step time is the
-        profile's, so the largest fitting chunk is found by bisection. A step with no other
-        prefill still takes one block of it: prefills must progress when the decodes alone
-        fill the target.
-        """
-        target, chosen = self.config.step_target_s, [(r.num_computed_tokens, k) for r, k in step.prefills]
-
-        def fits(k: int) -> bool:
-            return self.profile.step_time([*chosen, (context, k)], decoding) <= target
-
-        if fits(n):
-            return n
-        floor = 0 if step.prefills else min(n, self.config.block_size)
-        lo, hi = floor, n  # fits(hi) is false; lo is the answer unless a larger one fits
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo
+        so far and every decoding request - within ``step_target_s`` (rounds.engine.step_budget,
+        the function ampd's scheduler inside vLLM calls too)."""
+        chosen = [(r.num_computed_tokens, k) for r, k in step.prefills]
+        return prefill_within_target(self.profile, self.config.step_target_s, decoding, chosen, context, n)
 
     def _admit(self, request: Request, budget: int, step: Step, decoding: list[int]) -> int | None:
         """Take cache hits and blocks for a waiting request.

@@ -12,11 +12,35 @@ decode engine instead of failing the round: the round still answers, only slower
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
 from surface.registry import Role
 from surface.wire import KVBufferDevice, kv_transfer_config
+
+SCHEDULER_CLS = "workers.vllm.step_sizing.step_sized_scheduler"
+
+
+@dataclass(frozen=True)
+class StepSizing:
+    """ampd's scheduler inside vLLM (workers.vllm.step_sizing), and where its inputs lie: a
+    folder the supervisor fills (step_files) with the profile, the target and ampd's packages."""
+
+    folder: str
+    log: str = ""  # a JSON line per step that carried decodes, if given
+
+    @property
+    def profile(self) -> str:
+        return f"{self.folder}/profile.json"
+
+    @property
+    def target(self) -> str:
+        return f"{self.folder}/step_target_ms"
+
+    @property
+    def packages(self) -> str:
+        return f"{self.folder}/packages"
 
 
 @dataclass(frozen=True)
@@ -32,6 +56,7 @@ class VllmLaunch:
     kv_buffer_device: KVBufferDevice = "cuda"
     python: str = sys.executable  # the interpreter vLLM is installed in
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM as given
+    step_sizing: StepSizing | None = None  # None: vLLM's own scheduler
 
     @property
     def url(self) -> str:
@@ -70,15 +95,24 @@ def server_argv(launch: VllmLaunch) -> list[str]:
         "--enable-prefix-caching",
         "--kv-transfer-config", json.dumps(kv_transfer_config(launch.kv_buffer_device)),
     ]  # fmt: skip
+    if launch.step_sizing is not None:
+        argv += ["--scheduler-cls", SCHEDULER_CLS]
     return argv + list(launch.extra_args)
 
 
 def server_env(launch: VllmLaunch, base: dict[str, str]) -> dict[str, str]:
     """``base`` plus NIXL's side channel. With KV in host memory UCX gets TCP, shared
-    memory and loopback unless the operator chose; on GPUs UCX picks (RDMA, CUDA IPC)."""
+    memory and loopback unless the operator chose; on GPUs UCX picks (RDMA, CUDA IPC).
+    With step sizing, ampd's packages go on vLLM's path (only them: a folder of links, not
+    ampd's environment) and the scheduler learns where its inputs are."""
     env = dict(base)
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = launch.advertise_host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(launch.side_channel_port)
     if launch.kv_buffer_device == "cpu":
         env.setdefault("UCX_TLS", "tcp,self,sm")
+    if (sizing := launch.step_sizing) is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (sizing.packages, env.get("PYTHONPATH", "")) if p)
+        env["AMPD_STEP_PROFILE"], env["AMPD_STEP_TARGET_FILE"] = sizing.profile, sizing.target
+        if sizing.log:
+            env["AMPD_STEP_LOG"] = sizing.log
     return env

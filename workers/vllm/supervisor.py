@@ -16,21 +16,25 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import signal
 import time
 
 import httpx
+import redis.asyncio as aioredis
 
 from perfmodel.profile import Profile
 from surface.parent_death import end_with_parent
-from surface.registry import Registration, WorkerInfo, heartbeat_client, node_name
+from surface.registry import Registration, WorkerInfo, heartbeat_client, node_name, step_target_ms
 from surface.wire import cache_config, parse_load
-from workers.vllm import tokenizer_files
-from workers.vllm.launch import VllmLaunch, server_argv, server_env
+from workers.vllm import step_files, tokenizer_files
+from workers.vllm.launch import StepSizing, VllmLaunch, server_argv, server_env
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
+DRAIN_REPORT_S = 10.0  # how often a drain that waits says on what
+STEP_TARGET_POLL_S = 1.0  # how soon an assigned step target reaches the scheduler
 
 
 async def supervise(
@@ -41,8 +45,12 @@ async def supervise(
     ready_timeout_s: float = 600.0,
     drain_grace_s: float = 3.0,
     drain_timeout_s: float = 300.0,
+    step_target_ms: float = 0.0,
 ) -> int:
-    """Run the engine until it exits or a signal drains it; the exit status to return."""
+    """Run the engine until it exits or a signal drains it; the exit status to return.
+    With step sizing (``launch.step_sizing``) its folder is filled first and removed at the end."""
+    if launch.step_sizing is not None:
+        step_files.prepare(launch.step_sizing, profile, step_target_ms)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,7 +71,10 @@ async def supervise(
                 return 0 if stop.is_set() else 1
             await tokenizer_files.publish(redis, prefix, launch)  # before any gateway sees the engine
             registration = Registration(redis, prefix, info)
-            beat = asyncio.create_task(registration.run())
+            tasks = [asyncio.create_task(registration.run())]
+            if launch.step_sizing is not None:
+                following = _follow_step_target(redis, prefix, info.worker_id, launch.step_sizing, step_target_ms)
+                tasks.append(asyncio.create_task(following))
             log.info("%s ready at %s (KV %d tokens)", info.worker_id, info.url, info.kv_capacity_tokens)
             exited, stopping = asyncio.create_task(engine.wait()), asyncio.create_task(stop.wait())
             await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -71,8 +82,9 @@ async def supervise(
             if not exited.done():
                 await registration.drain()
                 await _wait_idle(http, drain_grace_s, drain_timeout_s)
-            beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             if exited.done():
                 log.error("vLLM exited with status %s", engine.returncode)
                 return engine.returncode or 1
@@ -80,6 +92,29 @@ async def supervise(
     finally:
         await _terminate(engine)
         await redis.aclose()
+        if launch.step_sizing is not None:
+            shutil.rmtree(launch.step_sizing.folder, ignore_errors=True)
+
+
+async def _follow_step_target(
+    redis: aioredis.Redis, prefix: str, worker_id: str, sizing: StepSizing, initial_ms: float
+) -> None:
+    """The step target assigned in the registry (surface.registry.step_target_ms: an operator's
+    `ampd workers step-target`, or a gateway's on a role change), handed to the scheduler inside
+    vLLM without a restart. Until one is assigned the engine keeps its ``--step-target-ms``."""
+    current = initial_ms
+    while True:
+        try:
+            async with asyncio.timeout(5 * STEP_TARGET_POLL_S):
+                assigned = await step_target_ms(redis, prefix, worker_id)
+        except (aioredis.RedisError, OSError) as exc:  # TimeoutError is an OSError
+            log.warning("reading the step target from Redis failed: %s", exc)
+            assigned = None
+        if assigned is not None and assigned != current:
+            step_files.set_target(sizing, assigned)
+            log.info("step target %.1f ms (was %.1f)", assigned, current)
+            current = assigned
+        await asyncio.sleep(STEP_TARGET_POLL_S)
 
 
 async def _wait_ready(
@@ -116,6 +151,7 @@ async def _wait_idle(http: httpx.AsyncClient, grace_s: float, timeout_s: float) 
     the second look covers a prefill whose KV a decode worker is about to pull."""
     await asyncio.sleep(grace_s)
     deadline = time.monotonic() + timeout_s
+    said = time.monotonic()
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:
         try:
@@ -123,6 +159,9 @@ async def _wait_idle(http: httpx.AsyncClient, grace_s: float, timeout_s: float) 
             quiet = quiet + 1 if load.running == 0 and load.waiting == 0 else 0
         except httpx.HTTPError:
             return  # the engine is gone: nothing left to drain
+        if quiet == 0 and time.monotonic() - said >= DRAIN_REPORT_S:  # what a slow drain waits on, for the operator
+            log.info("draining: %d requests running, %d waiting on the engine", load.running, load.waiting)
+            said = time.monotonic()
         await asyncio.sleep(POLL_S)
     if quiet < 2:
         log.warning("drain timed out after %.0f s with requests still on the engine", timeout_s)

@@ -1,0 +1,34 @@
+"""The folder ampd's scheduler inside vLLM reads (workers.vllm.launch.StepSizing), written by
+the supervisor: the engine's profile, its step target, and links to the ampd packages the
+scheduler imports (so vLLM's environment gains those three, not ampd's dependencies)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import perfmodel
+import rounds
+import workers
+from perfmodel.profile import Profile
+from workers.vllm.launch import StepSizing
+
+PACKAGES = (perfmodel, rounds, workers)  # what workers.vllm.step_sizing imports, with itself
+
+
+def prepare(sizing: StepSizing, profile: Profile, target_ms: float) -> None:
+    packages = Path(sizing.packages)
+    packages.mkdir(parents=True, exist_ok=True)
+    for package in PACKAGES:
+        link = packages / package.__name__
+        if not link.exists():
+            link.symlink_to(Path(package.__file__).resolve().parent, target_is_directory=True)
+    Path(sizing.profile).write_text(profile.model_dump_json())
+    set_target(sizing, target_ms)
+
+
+def set_target(sizing: StepSizing, target_ms: float) -> None:
+    """The new target, replaced whole: the scheduler never reads half a number."""
+    staged = Path(f"{sizing.target}.new")
+    staged.write_text(f"{target_ms:g}\n")
+    os.replace(staged, sizing.target)
