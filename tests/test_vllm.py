@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -466,7 +467,7 @@ def test_the_installed_vllm_has_what_ampds_scheduler_overrides():
 def test_steps_keep_to_the_target_while_streams_decode_and_answers_do_not_change(vllm):
     """ampd's scheduler in the decode engine: streams decode while a long prompt arrives, first
     with the target off (vLLM's budget: the prompt in one chunk), then with a target set in the
-    registry, as an operator or a role change does, without a restart. Each step that carried
+    registry, as `ampd workers step-target` does, without a restart. Each step that carried
     the prompt beside the decodes keeps to the target as the engine's profile prices it (or
     takes the floor), and the prompt's greedy answer is the same token for token."""
     _, decode, prefix = vllm
@@ -506,8 +507,11 @@ class Answer:
 
 def beside_decodes(engine: Engine, steps: Path, salt: str) -> Answer:
     """A long prompt's greedy answer, sent once four streams decode (the step log shows them).
-    Each pass has a cache salt of its own: the prompt is computed, not found in the prefix cache."""
+    The streams ask for more tokens than the prompt can take time (so all four overlap however
+    slowly a loaded machine lets them start) and hang up once it is answered. Each pass has a
+    cache salt of its own: the prompt is computed, not found in the prefix cache."""
     seen = len(_lines(steps))
+    answered = threading.Event()
     rng = random.Random(7)
     prompt = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(1500))
 
@@ -519,19 +523,26 @@ def beside_decodes(engine: Engine, steps: Path, salt: str) -> Answer:
             assert response.status_code == 200, response.text
             reply = response.json()
             return Answer(reply["choices"][0]["text"], reply["usage"]["prompt_tokens"])
+        chunks = []
         with httpx.stream("POST", f"{engine.url}/v1/completions", json=body, timeout=600) as response:
-            chunks = [json.loads(line[6:]) for line in response.iter_lines()
-                      if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+                if answered.is_set():
+                    break  # hangs up: vLLM aborts the rest
         return Answer("".join(c["choices"][0]["text"] for c in chunks if c["choices"]), 0)
 
     with ThreadPoolExecutor(STREAMS) as pool:
-        streams = [pool.submit(complete, "abcd" * (STREAM_CONTEXT // 4), 400, True) for _ in range(STREAMS)]
+        streams = [pool.submit(complete, "abcd" * (STREAM_CONTEXT // 4), 1500, True) for _ in range(STREAMS)]
         deadline = time.monotonic() + 300
         while not any(json.loads(line)["decodes"] == STREAMS for line in _lines(steps)[seen:]):
             assert time.monotonic() < deadline, "the streams never decoded together"
             assert not any(s.done() for s in streams), [s.result() for s in streams if s.done()]
             time.sleep(0.2)
-        answer = complete(prompt, 8, False)
+        try:
+            answer = complete(prompt, 8, False)
+        finally:
+            answered.set()
         assert all(s.result().text for s in streams)
     return answer
 
