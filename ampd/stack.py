@@ -23,7 +23,7 @@ from ampd.processes import spawn_gateway, spawn_sim_worker, spawn_tools_worker, 
 from gateway.config import GatewayConfig
 from perfmodel.profile import load_profile
 from perfmodel.slo import ItlRule
-from rounds.policies import POLICIES, step_target
+from rounds.policies import step_target_ms
 from tools_sandbox.client import queue_name
 
 STATE_DIR = Path(".ampd")  # logs, the private Redis's directory, and stack.json (what runs where)
@@ -37,10 +37,8 @@ def _interrupt(*_: object) -> None:
 def engine_step_target_ms(policy: str, profile: str, speed: float, rule: ItlRule) -> float:
     """The step time a GPU-free engine keeps to while it decodes under ``policy`` (0: none),
     from the SLO the gateway derives for it - as the simulator sets it (rounds.policies.step_target)."""
-    if policy not in POLICIES:
-        return 0.0  # the gateway refuses the name itself
     config = GatewayConfig()  # what `ampd up` starts the gateway with, but for the policy and rule
-    return 1000 * step_target(POLICIES[policy], config.slo(load_profile(profile), speed), rule, config.beta)
+    return step_target_ms(policy, config.slo(load_profile(profile), speed), rule, config.beta)
 
 
 def run_stack(

@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -384,7 +385,8 @@ def _relative(trace: Path, out: Path | None) -> str:
     return os.path.relpath(trace.resolve(), out.resolve().parent) if out is not None else str(trace.resolve())
 
 
-def setup_dict(setup: FidelitySetup) -> dict:
+def setup_dict(setup: Any) -> dict:
+    """A bench's setup dataclass as its report records it (paths as text)."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items()}
 
 

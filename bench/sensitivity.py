@@ -10,14 +10,14 @@ else the same, and each cell's winners are set side by side: where a winner chan
 verdict depends on a figure nobody has measured on that GPU.
 
 The same machinery answers where the model stands against the paper's own operating
-point (``--operating-point hotpotqa=2``: HotpotQA on 8 H20 at 2 sessions/s, its Figure 4
+point (``--points hotpotqa=2``: HotpotQA on 8 H20 at 2 sessions/s, its Figure 4
 breakdown): the best attainment any policy reaches there at each efficiency.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,13 +68,19 @@ def sweep(
     return out
 
 
+def by_cell(verdicts: Sequence[CellVerdict]) -> Iterator[tuple[tuple[str, float, str, float], list[CellVerdict]]]:
+    """Each (workload, rate, rule, scale) in the order first met, with its verdicts by efficiency."""
+    rows: dict[tuple[str, float, str, float], list[CellVerdict]] = {}
+    for v in verdicts:
+        rows.setdefault((v.workload, v.rate, v.rule, v.scale), []).append(v)
+    for key, row in rows.items():
+        yield key, sorted(row, key=lambda v: v.efficiency)
+
+
 def changes(verdicts: Sequence[CellVerdict]) -> list[str]:
     """For each (workload, rate, cell): its winners at each efficiency, and where they change."""
     lines = []
-    keys = dict.fromkeys((v.workload, v.rate, v.rule, v.scale) for v in verdicts)
-    for workload, rate, rule, scale in keys:
-        row = sorted((v for v in verdicts if (v.workload, v.rate, v.rule, v.scale) == (workload, rate, rule, scale)),
-                     key=lambda v: v.efficiency)  # fmt: skip
+    for (workload, rate, rule, scale), row in by_cell(verdicts):
         shown = "; ".join(f"{v.efficiency:g}: {', '.join(v.winners)} ({v.best_attainment:.0%})" for v in row)
         moves = [f"{a.efficiency:g} -> {b.efficiency:g}" for a, b in zip(row, row[1:], strict=False)
                  if set(a.winners) != set(b.winners)]  # fmt: skip
@@ -86,24 +92,20 @@ def changes(verdicts: Sequence[CellVerdict]) -> list[str]:
 # routing against always-remote disaggregation and against colocation, and step sizing
 # (the better of its two policies) against the best policy without it.
 SIZING = ("dynaserve", "elastic-split")
-PAIRS = (("ampd", ("ampd",), ("disagg",)), ("ampd vs coloc", ("ampd",), ("coloc",)),
-         ("step sizing", SIZING, None))  # fmt: skip
+PAIRS = (("ampd vs disagg", ("ampd",), ("disagg",)), ("ampd vs coloc", ("ampd",), ("coloc",)),
+         ("step sizing vs best other", SIZING, None))  # fmt: skip
 
 
 def pair_lines(verdicts: Sequence[CellVerdict]) -> list[str]:
     """Per (workload, rate, cell) and verdict: each side's attainment at each efficiency, and
     whether the side ahead changes along the sweep."""
     lines = []
-    keys = dict.fromkeys((v.workload, v.rate, v.rule, v.scale) for v in verdicts)
-    for workload, rate, rule, scale in keys:
-        row = sorted((v for v in verdicts if (v.workload, v.rate, v.rule, v.scale) == (workload, rate, rule, scale)),
-                     key=lambda v: v.efficiency)  # fmt: skip
+    for (workload, rate, rule, scale), row in by_cell(verdicts):
         for name, ours, theirs in PAIRS:
             sides = [_sides(v.attainment, ours, theirs) for v in row]
             shown = "; ".join(f"{v.efficiency:g}: {a:.0%} vs {b:.0%}" for v, (a, b) in zip(row, sides, strict=True))
             ahead = {("ahead" if a > b + 0.005 else "behind" if b > a + 0.005 else "even") for a, b in sides}
-            label = "ampd vs disagg" if name == "ampd" else name if theirs else "step sizing vs best other"
-            lines.append(f"| {workload} | {rate:g} | {rule}, x{scale:g} | {label} | {shown} | "
+            lines.append(f"| {workload} | {rate:g} | {rule}, x{scale:g} | {name} | {shown} | "
                          f"{'flips' if len(ahead - {'even'}) > 1 else 'holds'} |")  # fmt: skip
     return lines
 

@@ -37,10 +37,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.stack import STATE_DIR
-from bench.fidelity import SCHEDULER, VLLM_ARGS, bench_redis, build_model, engines, letter_ids
+from bench.fidelity import SCHEDULER, VLLM_ARGS, bench_redis, build_model, engines, letter_ids, setup_dict
 from perfmodel.profile import load_profile
-from perfmodel.slo import BETA, derived_slo
-from rounds.policies import POLICIES, step_target
+from perfmodel.slo import derived_slo
+from rounds.policies import step_target_ms
 
 PROFILE = Path("bench/results/fidelity_vllm/tiny-llama-cpu_measured.json")
 ENGINE_CORE = 1  # the load generator keeps to the other
@@ -112,7 +112,7 @@ class ArmResult:
 
 def default_target_ms(profile_path: Path) -> float:
     """What the gateway hands an engine under dynaserve and the P95 rule (rounds.policies.step_target)."""
-    return 1000 * step_target(POLICIES["dynaserve"], derived_slo(load_profile(profile_path)), "p95", BETA)
+    return step_target_ms("dynaserve", derived_slo(load_profile(profile_path)), "p95")
 
 
 def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> int:
@@ -253,9 +253,7 @@ def _public(r: ArmResult) -> dict:
 
 
 def _setup_dict(setup: StepsizeSetup) -> dict:
-    d = asdict(setup)
-    d["statics"] = [s.label for s in setup.statics]
-    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+    return setup_dict(setup) | {"statics": [s.label for s in setup.statics]}
 
 
 def _table(results: dict[str, ArmResult]) -> Table:

@@ -37,7 +37,7 @@ from perfmodel.catalog import GPUS, MODELS, TP_DEGREES
 from perfmodel.memory import fits
 from perfmodel.profile import PROFILES_DIR, Efficiency, Profile, load_profile
 from perfmodel.roofline import DEFAULT_MEMORY, profile_name, roofline_profile
-from perfmodel.slo import BETA, REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
+from perfmodel.slo import REFERENCE_PROMPT_TOKENS, SLO, ItlRule, derived_slo
 from planner.ilp import Deployment, PoolOption, enumerate_deployments
 from planner.simulator import Pool, SimConfig, SimReport, simulate
 from planner.split_search import Climb
@@ -45,7 +45,7 @@ from planner.tau_search import Family, Sample, search
 from planner.trace import TraceSession, subsample
 from rounds.elastic import RolePlan
 from rounds.engine.scheduler import SchedulerConfig
-from rounds.policies import POLICIES, step_target
+from rounds.policies import step_target_ms
 
 Progress = Callable[[str], None]
 
@@ -431,8 +431,7 @@ class DeploymentFile(BaseModel):
     def step_target_ms(self) -> float:
         """The step time its engines keep to while they decode under its policy, SLO and ITL
         rule (rounds.policies.step_target, as the simulator judged it); 0: vLLM's own steps."""
-        slo = SLO(self.ttft_slo_s, self.itl_slo_s)
-        return 1000 * step_target(POLICIES[self.policy], slo, self.itl_rule, BETA) if self.policy in POLICIES else 0.0
+        return step_target_ms(self.policy, SLO(self.ttft_slo_s, self.itl_slo_s), self.itl_rule)
 
     def env(self) -> str:
         """The same decision as docker compose variables (``--env-file``)."""

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from perfmodel.slo import SLO, ItlRule
+from perfmodel.slo import BETA, SLO, ItlRule
 from rounds.conditional_disagg import ConditionalDisagg
 from rounds.elastic import ElasticConfig
 from rounds.reordering import Decision, QueuedTask, reorder
@@ -116,3 +116,9 @@ def step_target(policy: Policy, slo: SLO, rule: ItlRule, beta: float) -> float:
     if not policy.slo_batching or rule == "mean":
         return 0.0
     return beta * slo.itl_s
+
+
+def step_target_ms(policy: str, slo: SLO, rule: ItlRule, beta: float = BETA) -> float:
+    """:func:`step_target` of the policy named ``policy``, in milliseconds, as engines take it
+    (``--step-target-ms``); 0 for a name that is no policy (whoever parses it refuses it)."""
+    return 1000 * step_target(POLICIES[policy], slo, rule, beta) if policy in POLICIES else 0.0

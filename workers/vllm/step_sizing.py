@@ -20,7 +20,7 @@ It reads, from the environment:
 
 - ``AMPD_STEP_PROFILE``: the engine's ampd profile (JSON);
 - ``AMPD_STEP_TARGET_FILE``: a file holding the target in milliseconds (0: off), read
-  again whenever it changes, so a role change moves the target without a restart;
+  again whenever it changes, so a new target needs no restart;
 - ``AMPD_STEP_LOG``: optionally, a file to which each step that carried decodes appends a
   JSON line (its decodes, budget, scheduled tokens and predicted seconds).
 
@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -72,26 +73,31 @@ class StepTarget:
         return self.seconds
 
 
-class StepSizing:
-    """What both scheduler classes add: the budget before vLLM's ``schedule()``."""
+class StepSizer:
+    """What both scheduler classes add, before vLLM's class in their bases: the budget set
+    before vLLM's ``schedule()`` runs and put back after."""
 
     max_num_scheduled_tokens: int
     running: list[Request]
+    waiting: RequestQueue
     requests: dict[str, Request]
 
-    def _init_sizing(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._profile: Profile = load_profile(os.environ[PROFILE_ENV])
         self._target = StepTarget(Path(os.environ[TARGET_ENV]))
         self._log = open(os.environ[LOG_ENV], "a", buffering=1) if os.environ.get(LOG_ENV) else None  # noqa: SIM115
 
-    def _sized(self, schedule, *args, **kwargs):
+    def schedule(self, *args, **kwargs):
+        target = self._target.current()
+        if target <= 0 and self._log is None:  # off: vLLM's own budget, nothing to price
+            return super().schedule(*args, **kwargs)
         full = self.max_num_scheduled_tokens
         decoding = [r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        target = self._target.current()
         budget = step_token_budget(self._profile, target, decoding, self._prefill_context(), full)
         self.max_num_scheduled_tokens = budget
         try:
-            output = schedule(*args, **kwargs)
+            output = super().schedule(*args, **kwargs)
         finally:
             self.max_num_scheduled_tokens = full
         if self._log is not None and decoding:
@@ -104,8 +110,7 @@ class StepSizing:
         for r in self.running:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 return r.num_computed_tokens
-        waiting = getattr(self, "waiting", None)
-        return waiting.peek_request().num_computed_tokens if waiting else 0
+        return self.waiting.peek_request().num_computed_tokens if self.waiting else 0
 
     def _record(self, output, decodes: int, budget: int, full: int, target: float) -> None:
         """The step as scheduled: vLLM has advanced each request's computed tokens by its share."""
@@ -120,26 +125,12 @@ class StepSizing:
         self._log.write(json.dumps(line) + "\n")
 
 
-class StepSizedScheduler(StepSizing, Scheduler):
+class StepSizedScheduler(StepSizer, Scheduler):
     """vLLM's synchronous scheduler with ampd's step sizing."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sizing()
 
-    def schedule(self, *args, **kwargs):
-        return self._sized(super().schedule, *args, **kwargs)
-
-
-class StepSizedAsyncScheduler(StepSizing, AsyncScheduler):
+class StepSizedAsyncScheduler(StepSizer, AsyncScheduler):
     """vLLM's asynchronous scheduler (its default where async scheduling applies) with ampd's step sizing."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._init_sizing()
-
-    def schedule(self, *args, **kwargs):
-        return self._sized(super().schedule, *args, **kwargs)
 
 
 def step_sized_scheduler(*args, **kwargs) -> Scheduler:

@@ -99,9 +99,9 @@ async def supervise(
 async def _follow_step_target(
     redis: aioredis.Redis, prefix: str, worker_id: str, sizing: StepSizing, initial_ms: float
 ) -> None:
-    """The step target assigned in the registry (surface.registry.step_target_ms: an operator's
-    `ampd workers step-target`, or a gateway's on a role change), handed to the scheduler inside
-    vLLM without a restart. Until one is assigned the engine keeps its ``--step-target-ms``."""
+    """The step target assigned in the registry (surface.registry.step_target_ms, which `ampd
+    workers step-target` writes), handed to the scheduler inside vLLM without a restart. Until
+    one is assigned the engine keeps its ``--step-target-ms``."""
     current = initial_ms
     while True:
         try:
