@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from ampd import terminal
 from ampd.planning import ItlRuleOption, PolicyOption, plan_command, simulate_command, trace_app
 from bench.commands import bench_app
 from perfmodel.catalog import GPUS, MODELS
@@ -31,7 +31,7 @@ workers_app = typer.Typer(help="The engines of a deployment and their roles.", i
 app.add_typer(workers_app, name="workers")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
-console = Console()
+console = terminal.console()
 
 
 def _check_role(role: str) -> None:
@@ -71,11 +71,17 @@ def worker_sim(
     redis_url: Annotated[str | None, typer.Option(help="register in this Redis (worker registry)")] = None,
     redis_prefix: str = "ampd",
     log_level: str = "warning",
+    kv_events: Annotated[bool, typer.Option(help="publish KV events over ZMQ as vLLM does")] = True,
+    kv_events_port: Annotated[int, typer.Option(help="KV events' PUB port; 0: any free one")] = 0,
+    kv_events_replay_port: Annotated[int, typer.Option(help="KV events' replay port; 0: any free one")] = 0,
 ) -> None:
     """The GPU-free engine: vLLM's HTTP surface over a simulated v1 engine core."""
+    import os
+
     import uvicorn
 
     from rounds.engine.scheduler import SchedulerConfig
+    from surface.kv_events import hash_seed
     from workers.sim.server import WorkerConfig, create_app
 
     _check_role(role)
@@ -103,6 +109,10 @@ def worker_sim(
         kv_load_failure_policy=kv_load_failure_policy,  # type: ignore[arg-type]
         redis_url=redis_url,
         redis_prefix=redis_prefix,
+        kv_events=kv_events,
+        kv_events_port=kv_events_port,
+        kv_events_replay_port=kv_events_replay_port,
+        kv_hash_seed=hash_seed(dict(os.environ)),
     )
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, access_log=False)
 
@@ -131,30 +141,42 @@ def worker_vllm(
     redis_prefix: str = "ampd",
     ready_timeout: Annotated[float, typer.Option(help="seconds vLLM may take to serve")] = 600.0,
     drain_timeout: Annotated[float, typer.Option(help="seconds SIGTERM waits for requests to finish")] = 300.0,
+    step_sizing: Annotated[
+        bool,
+        typer.Option(help="run ampd's scheduler in vLLM (a gateway whose policy sizes steps assigns its target)"),
+    ] = True,
     step_target_ms: Annotated[
-        float | None,
+        float,
         typer.Option(
-            envvar="AMPD_STEP_TARGET_MS", help="ampd's scheduler: while requests decode, size each step to this"
+            envvar="AMPD_STEP_TARGET_MS",
+            help="ampd's scheduler: while requests decode, size each step to this until one is assigned; 0 = off",
         ),
-    ] = None,
-    step_log: Annotated[Path | None, typer.Option(help="with --step-target-ms: a JSON line per step here")] = None,
+    ] = 0.0,
+    step_log: Annotated[Path | None, typer.Option(help="with step sizing: a JSON line per step here")] = None,
+    kv_events: Annotated[bool, typer.Option(help="vLLM publishes its KV events over ZMQ")] = True,
+    kv_events_port: Annotated[int, typer.Option(help="KV events' PUB port; 0: a free one")] = 0,
+    kv_events_replay_port: Annotated[int, typer.Option(help="KV events' replay port; 0: a free one")] = 0,
 ) -> None:
     """vLLM's OpenAI server with the NIXL connector, registered while it serves and
-    drained on SIGTERM. Arguments after the options go to vLLM unchanged. With
-    --step-target-ms, vLLM runs ampd's scheduler, priced by --profile."""
+    drained on SIGTERM. Arguments after the options go to vLLM unchanged. vLLM runs
+    ampd's scheduler (steps priced by --profile, sized to the target a gateway assigns),
+    unless --no-step-sizing."""
     import asyncio
     import logging
     import sys
     import tempfile
 
-    from workers.vllm.launch import StepSizing, VllmLaunch
+    from ampd.local_redis import free_port
+    from workers.vllm.launch import KVEvents, StepSizing, VllmLaunch
     from workers.vllm.supervisor import supervise
 
     _check_role(role)
     if kv_buffer_device not in ("cuda", "cpu"):
         raise typer.BadParameter("kv-buffer-device must be cuda or cpu")
-    if step_target_ms is not None and step_target_ms < 0:
-        raise typer.BadParameter("--step-target-ms is 0 (off until set) or more")
+    if step_target_ms < 0:
+        raise typer.BadParameter("--step-target-ms is 0 (off until assigned) or more")
+    if not step_sizing and (step_target_ms or step_log):
+        raise typer.BadParameter("--step-target-ms and --step-log need ampd's scheduler (drop --no-step-sizing)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ampd worker vllm: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     launch = VllmLaunch(
@@ -169,13 +191,14 @@ def worker_vllm(
         kv_buffer_device=kv_buffer_device,  # type: ignore[arg-type]
         python=python or sys.executable,
         extra_args=tuple(ctx.args),
-        step_sizing=None
-        if step_target_ms is None
-        else StepSizing(tempfile.mkdtemp(prefix="ampd-vllm-step-"), str(step_log.resolve()) if step_log else ""),
+        step_sizing=StepSizing(tempfile.mkdtemp(prefix="ampd-vllm-step-"), str(step_log.resolve()) if step_log else "")
+        if step_sizing
+        else None,
+        kv_events=KVEvents(kv_events_port or free_port(), kv_events_replay_port or free_port()) if kv_events else None,
     )
     run = supervise(
         launch, load_profile(profile), redis_url, redis_prefix, ready_timeout, drain_timeout_s=drain_timeout,
-        step_target_ms=step_target_ms or 0.0,
+        step_target_ms=step_target_ms,
     )  # fmt: skip
     raise typer.Exit(asyncio.run(run))
 
@@ -187,6 +210,12 @@ def gateway(
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
     redis_prefix: str = "ampd",
     policy: PolicyOption = "ampd",
+    placement: Annotated[
+        str,
+        typer.Option(
+            help="where sessions bind and remote prefills go: memory, ampd, dynamo-kv, llmd-prefix, sglang-cache"
+        ),
+    ] = "memory",
     alpha: float = 0.9,
     beta: float = 0.85,
     reorder_window: int = 3,
@@ -204,7 +233,15 @@ def gateway(
     api_key: Annotated[
         list[str] | None, typer.Option(envvar="AMPD_API_KEYS", help="accepted key (repeat); 'sha256:<hex>' for hashed")
     ] = None,
+    api_keys_file: Annotated[
+        Path | None,
+        typer.Option(help="keys, one a line: KEY [tenant=NAME]; re-read when it changes or on SIGHUP"),
+    ] = None,
     worker: Annotated[list[str] | None, typer.Option(help="static worker: ROLE=URL[@PROFILE[@SPEED]] (repeat)")] = None,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="another name clients may call the engines' model by, listed first in /v1/models (repeat)"),
+    ] = None,
     server_tools: Annotated[
         str, typer.Option(help="server-side tools requests may enable")
     ] = "python,retrieve,calculator",
@@ -222,12 +259,19 @@ def gateway(
     processes: Annotated[
         int, typer.Option(min=1, help="gateway processes sharing the port, each a replica of its own")
     ] = 1,
+    access_log: Annotated[
+        str,
+        typer.Option(help="a JSON line per request to this file (--processes: NAME.<pid>.log each); '-': stderr; off"),
+    ] = "ampd-access.log",
+    access_log_max_bytes: Annotated[int, typer.Option(help="size at which the access log rotates")] = 100 * 2**20,
+    access_log_backups: Annotated[int, typer.Option(help="rotated access logs kept")] = 5,
 ) -> None:
     """The coordinator: OpenAI-compatible API with AMPD routing and prefill reordering."""
     from pydantic import ValidationError
 
     from gateway.apis.app import serve
     from gateway.config import GatewayConfig, StaticWorker
+    from gateway.tenancy import Keyring
 
     static = []
     for spec in worker or []:
@@ -248,6 +292,7 @@ def gateway(
             redis_url=redis_url,
             key_prefix=redis_prefix,
             policy=policy,
+            placement=placement,  # type: ignore[arg-type]
             alpha=alpha,
             beta=beta,
             reorder_window=reorder_window,
@@ -259,13 +304,19 @@ def gateway(
             prefill_slots=prefill_slots,
             max_queue=max_queue,
             api_keys=tuple(api_key or ()),
+            api_keys_file=api_keys_file,
+            access_log=access_log,
+            access_log_max_bytes=access_log_max_bytes,
+            access_log_backups=access_log_backups,
             static_workers=tuple(static),
+            served_model_names=tuple(served_model_name or ()),
             server_tools=tuple(t for t in server_tools.split(",") if t),
             max_tool_rounds=max_tool_rounds,
             migration_limit=migration_limit,
             log_content=log_content,
         )
-    except ValidationError as exc:
+        Keyring(config.api_keys, config.api_keys_file)  # a bad keys file stops it here, with its line
+    except (ValidationError, OSError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     serve(config, host, port, processes, otlp_endpoint, log_level)
 
@@ -291,6 +342,10 @@ def up(
         ItlRule | None,
         typer.Option(help="a round's ITL is judged by its mean, p95 or max gap (default: the deployment's, else mean)"),
     ] = None,
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="another name clients may call the engines' model by, listed first in /v1/models (repeat)"),
+    ] = None,
 ) -> None:
     """Start the local stack: Redis, GPU-free prefill and decode workers, a tools worker, the gateway."""
     from pydantic import ValidationError
@@ -300,7 +355,7 @@ def up(
 
     workers = [("both", profile)] * pool if pool > 0 else [("prefill", profile), ("decode", profile)]
     policy = policy or ("elastic" if pool > 0 else None)
-    gateway_args = []
+    gateway_args = [arg for name in served_model_name or () for arg in ("--served-model-name", name)]
     if deployment is not None:
         try:
             plan = load_deployment(deployment)
@@ -313,7 +368,7 @@ def up(
             workers = [("prefill", plan.prefill.profile)] * plan.prefill.replicas
             workers += [("decode", plan.decode.profile)] * plan.decode.replicas
         if plan.role_plan is not None:
-            gateway_args = ["--role-plan", role_plan_json(plan.role_plan)]
+            gateway_args += ["--role-plan", role_plan_json(plan.role_plan)]
         policy = policy or plan.policy
         itl_slo_metric = itl_slo_metric or plan.itl_rule
     raise typer.Exit(
@@ -447,14 +502,18 @@ def workers_step_target(
     redis_url: RedisOption = "redis://127.0.0.1:6379/0",
     redis_prefix: str = "ampd",
 ) -> None:
-    """Give a vLLM engine started with --step-target-ms another target; it applies it within a second."""
+    """Give an engine another step target; it applies it within a second. Where the
+    gateways' policy sizes steps (dynaserve, elastic-split under a tail rule) they assign
+    their own and put it back."""
     from surface.registry import set_step_target_ms
 
     if target_ms < 0:
         raise typer.BadParameter("the target is 0 (off) or more milliseconds")
 
     async def write(redis) -> None:
-        await _registered(redis, redis_prefix, worker_id)
+        info = await _registered(redis, redis_prefix, worker_id)
+        if not info.sized_steps:
+            raise ValueError(f"{worker_id} runs vLLM's own scheduler (started with --no-step-sizing)")
         await set_step_target_ms(redis, redis_prefix, worker_id, target_ms)
 
     _registry(redis_url, write)

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ampd import terminal
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.slo import DEFAULT_SCALE, ITL_RULES, SLO, ItlRule
 from rounds.policies import POLICIES
@@ -27,7 +27,7 @@ ItlRuleOption = Annotated[
 ]
 PolicyOption = Annotated[str, typer.Option(help="one of: " + ", ".join(POLICIES))]
 trace_app = typer.Typer(help="Multi-round workload traces (JSONL).", no_args_is_help=True)
-console = Console()
+console = terminal.console()
 
 
 def fail(message: str) -> typer.Exit:
@@ -48,10 +48,25 @@ def trace_generate(
     peak_rate: Annotated[float | None, typer.Option(help="a shape's highest rate (sessions/s)")] = None,
     duration: Annotated[float, typer.Option(help="a shape's length in seconds")] = 600.0,
     to_workload: Annotated[str, typer.Option(help="the workload a mix shifts to")] = "gaia",
+    agents: Annotated[
+        int, typer.Option(min=0, help="agent types whose system prompt and tool schemas sessions share (0: none)")
+    ] = 0,
+    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas (with --agents)")] = 1,
     seed: int = 0,
 ) -> None:
-    """A trace shaped like one of the paper's four workloads (Table 1 means), at a constant rate or one that varies."""
-    from planner.trace import SHAPES, WORKLOADS, Shape, generate, generate_shaped, summarize, write_trace
+    """A trace shaped like one of the paper's four workloads (Table 1 means), at a constant rate or one that varies;
+    with --agents, its sessions drawn from agent types that share their prompts' prefix (docs/usage.md)."""
+    from planner.trace import (
+        SHAPES,
+        WORKLOADS,
+        Agents,
+        Shape,
+        generate,
+        generate_shaped,
+        summarize,
+        with_agents,
+        write_trace,
+    )
 
     if workload not in WORKLOADS or to_workload not in WORKLOADS:
         raise fail(f"unknown workload {workload!r} or {to_workload!r}; one of {', '.join(WORKLOADS)}")
@@ -63,6 +78,8 @@ def trace_generate(
         else:
             varying = Shape(shape, duration, rate, peak_rate or rate)  # type: ignore[arg-type]
             trace = generate_shaped(WORKLOADS[workload], varying, seed, WORKLOADS[to_workload])
+        if agents:
+            trace = with_agents(trace, Agents(agents, tenants), seed)
     except ValueError as exc:
         raise fail(str(exc)) from exc
     write_trace(trace, out)

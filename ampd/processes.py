@@ -70,7 +70,10 @@ def spawn_sim_worker(
 
 
 def spawn_gateway(name: str, port: int, options: Sequence[str] = (), log: Path | None = None) -> Child:
-    return spawn(name, port, ["gateway", "--port", str(port), *options], log)
+    """`ampd gateway` on ``port``. With a ``log``, its access log lies beside it
+    (``NAME.access.log``) unless ``options`` name one: not in the caller's directory."""
+    access = ["--access-log", str(log.with_suffix(".access.log"))] if log and "--access-log" not in options else []
+    return spawn(name, port, ["gateway", "--port", str(port), *access, *options], log)
 
 
 def spawn_tools_worker(redis_url: str, prefix: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:

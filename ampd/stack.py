@@ -15,10 +15,13 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ampd.local_redis import NoRedis, ensure_redis
+from ampd.ports import holder, port_taken
 from ampd.processes import spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
 from gateway.config import GatewayConfig
 from perfmodel.profile import load_profile
@@ -41,6 +44,23 @@ def engine_step_target_ms(policy: str, profile: str, speed: float, rule: ItlRule
     return step_target_ms(policy, config.slo(load_profile(profile), speed), rule, config.beta)
 
 
+def why_not_start(ports: list[tuple[str, int]]) -> str | None:
+    """Why the stack must not start, before it claims anything: a port it would serve on is
+    held (by whom, where /proc shows it), or a stack already runs from this directory (its
+    stack.json's gateway answers) - its logs and stack.json stay as they are."""
+    taken = [f"port {port} ({name}) is in use by {holder(port) or 'another process'}"
+             for name, port in ports if port_taken(port)]  # fmt: skip
+    if taken:
+        flags = "--gateway-port, --prefill-port, --decode-port"
+        return "; ".join(taken) + f". Nothing was started: stop it or choose other ports ({flags})."
+    with contextlib.suppress(OSError, ValueError, KeyError, httpx.HTTPError):
+        gateway = json.loads((STATE_DIR / "stack.json").read_text())["gateway"]
+        if httpx.get(f"{gateway}/healthz", timeout=2).status_code == 200:
+            running = f"gateway {gateway}, {STATE_DIR}/stack.json"
+            return f"a stack already runs from this directory ({running}): stop it first."
+    return None
+
+
 def run_stack(
     console: Console,
     redis_url: str,
@@ -56,7 +76,18 @@ def run_stack(
     """``workers`` are (role, profile) pairs; the n-th worker of a role listens on its
     role's port + 2n, so the default pair keeps 8101 and 8102 (a pool's ``both`` workers
     take the prefill ports). Under a policy whose engines size their steps to the ITL rule
-    (DynaServe's), each worker gets its step target."""
+    (DynaServe's), each worker gets its step target. Nothing starts, and nothing in
+    ``.ampd`` is touched, unless every port is free and no stack runs from here."""
+    base = {"prefill": prefill_port, "decode": decode_port, "both": prefill_port}
+    targets = {profile: engine_step_target_ms(policy, profile, speed, itl_rule) for _, profile in workers}
+    placed = []
+    for role, profile in workers:
+        n = sum(1 for placed_role, *_ in placed if placed_role == role)
+        placed.append((role, profile, n, base[role] + 2 * n, targets[profile]))
+    refusal = why_not_start([("gateway", gateway_port)] + [(f"{r} worker {n}", p) for r, _, n, p, _ in placed])
+    if refusal:
+        console.print(f"[red]{escape(refusal)}[/red]", soft_wrap=True)
+        return 1
     STATE_DIR.mkdir(exist_ok=True)
     try:
         redis = ensure_redis(redis_url, STATE_DIR / "redis")
@@ -64,12 +95,6 @@ def run_stack(
         console.print(f"[red]{exc}[/red]")
         return 1
     registry = ["--redis-url", redis.url, "--redis-prefix", REDIS_PREFIX]
-    base = {"prefill": prefill_port, "decode": decode_port, "both": prefill_port}
-    targets = {profile: engine_step_target_ms(policy, profile, speed, itl_rule) for _, profile in workers}
-    placed = []
-    for role, profile in workers:
-        n = sum(1 for placed_role, *_ in placed if placed_role == role)
-        placed.append((role, profile, n, base[role] + 2 * n, targets[profile]))
     children_workers = [
         spawn_sim_worker(
             f"{role} worker {n} (GPU-free, {profile})",
@@ -87,7 +112,8 @@ def run_stack(
             console.print(f"[red]the tools worker did not come up; see {STATE_DIR}/tools.log[/red]")
             return 1
         if failed is None:
-            args = [*registry, "--policy", policy, "--itl-slo-metric", itl_rule, *(gateway_args or [])]
+            args = [*registry, "--policy", policy, "--itl-slo-metric", itl_rule, "--access-log",
+                    str(STATE_DIR / "access.log"), *(gateway_args or [])]  # fmt: skip
             gateway = spawn_gateway("gateway", gateway_port, args, STATE_DIR / "gateway.log")
             children.append(gateway)
             failed = wait_healthy([gateway], path="/readyz")

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
+from ampd import terminal
 from ampd.planning import ItlRuleOption, ModelOption, PolicyOption, ProfilesOption, fail, ms, profile_book, slo_for
 from perfmodel.catalog import GPUS
 from perfmodel.profile import DEFAULT_PROFILE
 from perfmodel.slo import DEFAULT_SCALE
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
-console = Console()
+console = terminal.console()
 
 
 @bench_app.command("engine")
@@ -176,7 +176,9 @@ def bench_fidelity(
     light_rate: Annotated[float, typer.Option(help="sessions per second at the light load")] = 0.05,
     loaded_rate: Annotated[float, typer.Option(help="sessions per second at the loaded rate")] = 0.2,
     runs: Annotated[int, typer.Option(help="runs of each policy at each load (each its own trace seed)")] = 3,
-    policies: Annotated[str, typer.Option(help="comma-separated: coloc, ampd, disagg")] = "coloc,ampd,disagg",
+    policies: Annotated[
+        str, typer.Option(help="comma-separated: coloc, ampd, disagg, dynaserve")
+    ] = "coloc,ampd,disagg",
     loads: Annotated[str, typer.Option(help="comma-separated: light, loaded")] = "light,loaded",
     workload: Annotated[str, typer.Option(help="trace shape: toolbench, gaia, hotpotqa or dureader")] = "toolbench",
     seed: int = 0,
@@ -475,6 +477,58 @@ def bench_split(
         console.print(f"wrote {path}")
 
 
+@bench_app.command("placement")
+def bench_placement(
+    rates: Annotated[str, typer.Option(help="rates to find the knee among, ascending (sessions/s); one: run there")] = (
+        "0.3,0.4,0.5,0.6,0.8"
+    ),
+    rules: Annotated[str, typer.Option(help="ITL rules, comma-separated: mean, p95, max")] = "mean,p95",
+    profile: Annotated[str, typer.Option(help="the engines' profile (one TP degree for both pools)")] = (
+        "llama-3.1-70b_h20_tp4"
+    ),
+    prefill: Annotated[int, typer.Option(min=1, help="prefill engines")] = 4,
+    decode: Annotated[int, typer.Option(min=1, help="decode engines")] = 4,
+    workload: str = "toolbench",
+    agents: Annotated[int, typer.Option(min=1, help="agent types")] = 16,
+    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas")] = 8,
+    sessions: int = 1000,
+    policy: PolicyOption = "ampd",
+    scale: Annotated[float, typer.Option(help="SLO scale over the unloaded typical round")] = DEFAULT_SCALE,
+    seed: int = 0,
+    out: Annotated[Path, typer.Option(help="JSON of the rows (a Markdown table goes beside it)")] = Path(
+        "bench/results/placement/placement.json"
+    ),
+) -> None:
+    """Every placement rule (rounds.placement) x ITL rule on a shared-prefix agent trace at its knee (simulated)."""
+    import time
+
+    from bench import placement
+    from perfmodel.profile import load_profile
+    from perfmodel.slo import ITL_RULES
+    from planner.trace import WORKLOADS, Agents
+
+    rule_list = [r for r in rules.split(",") if r]
+    if not rule_list or any(r not in ITL_RULES for r in rule_list):
+        raise fail(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
+    if workload not in WORKLOADS:
+        raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    rate_list = sorted(float(r) for r in rates.split(",") if r)
+    setup = placement.Setup(load_profile(profile), prefill, decode, workload, Agents(agents, tenants), sessions, seed,
+                            policy, scale)  # fmt: skip
+    started = time.perf_counter()
+    with console.status("finding memory's knee"):
+        rate = placement.knee(setup, rate_list) if len(rate_list) > 1 else rate_list[0]
+    with console.status(f"{len(rule_list) * 5} simulations at {rate:g} sessions/s"):
+        rows = placement.run_placement(setup, rate, rule_list)  # type: ignore[arg-type]
+    title = (f"Placement on {profile}, {prefill} prefill + {decode} decode engines ({setup.gpus} GPUs), {workload} "
+             f"with {agents} agent types x {tenants} tenants, {sessions} sessions at {rate:g}/s, policy {policy} "
+             f"(simulated; {(time.perf_counter() - started) / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
+    console.print(title)
+    console.print(placement.table(rows))
+    for path in placement.write(out, rows, setup, rate, title):
+        console.print(f"wrote {path}")
+
+
 @bench_app.command("elastic")
 def bench_elastic(
     traces: Annotated[
@@ -575,3 +629,20 @@ def bench_signals(
 
     level_list = [int(x) for x in levels.split(",")]
     raise typer.Exit(run_signals_bench(console, level_list, rounds, rate, window_s, out))
+
+
+@bench_app.command("kv-index")
+def bench_kv_index(
+    batches: Annotated[int, typer.Option(help="event batches (engine steps) ingested")] = 20_000,
+    blocks_per_store: Annotated[int, typer.Option(help="blocks each step stores")] = 8,
+    capacity_blocks: Annotated[int, typer.Option(help="the engine's KV capacity in blocks (kept full)")] = 100_000,
+    prompt_tokens: Annotated[int, typer.Option(help="the looked-up prompt's tokens")] = 32_768,
+    engines: Annotated[int, typer.Option(help="engines the prompt is matched on")] = 8,
+    repeats: Annotated[int, typer.Option(help="lookups timed")] = 50,
+    out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+) -> None:
+    """The gateway's KV index: events ingested per second per core, a long prompt's lookup, bytes per block."""
+    from bench.kv_index import run_kv_index_bench
+
+    code = run_kv_index_bench(console, batches, blocks_per_store, capacity_blocks, prompt_tokens, engines, repeats, out)
+    raise typer.Exit(code)

@@ -4,7 +4,8 @@ Every verdict the simulator gives is only as good as its agreement with a real e
 Here two vLLM engines (its CPU build, each pinned to a core of its own) serve a
 dummy-weight Llama whose steps take tens of milliseconds on one core, through the
 gateway, under each policy (``coloc``: both engines colocated; ``ampd`` and ``disagg``:
-one prefill and one decode engine over NIXL - the same two engines, their roles the
+one prefill and one decode engine over NIXL; ``dynaserve``: both unified, their steps
+sized to the target the gateway assigns - the same two engines, their roles the
 gateway's). A multi-round agent trace is replayed live (bench.replay, in vLLM's
 dialect) at a light and a loaded rate, several runs each; then the same rounds - their
 token counts as the engines counted them - are simulated with the engines' profile,
@@ -42,7 +43,7 @@ from ampd.processes import Child, spawn, spawn_gateway, wait_healthy
 from ampd.stack import STATE_DIR
 from bench.replay import LiveRound, VllmDialect, replay
 from perfmodel.profile import Profile, load_profile
-from perfmodel.slo import ITL_RULES, SLO, derived_slo
+from perfmodel.slo import ITL_RULES, SLO, ItlRule, derived_slo
 from perfmodel.specs import GPUSpec, ModelSpec
 from planner.profiler import profile_worker
 from planner.profiler.samples import Grid
@@ -52,7 +53,15 @@ from rounds.engine.scheduler import SchedulerConfig
 from surface.registry import heartbeat_client, live_workers
 
 PREFIX = "ampd-bench-fidelity"
-POLICIES = ("coloc", "ampd", "disagg")
+POLICIES = ("coloc", "ampd", "disagg", "dynaserve")
+# How each policy uses the two engines (rounds.roles): ``coloc`` both decoding, each
+# prefilling its own sessions; ``dynaserve`` both unified, any part of any round on
+# either; the rest engine 0 prefilling and engine 1 decoding.
+ROLES = {"coloc": ("decode", "decode"), "dynaserve": ("unified", "unified")}
+DISAGGREGATED = ("prefill", "decode")
+# The ITL rule a policy steers by (the gateway's --itl-slo-metric): ``dynaserve`` sizes
+# steps under the P95 rule (rounds.policies.step_target), the rest steer by the mean.
+ITL_RULE: dict[str, ItlRule] = {"dynaserve": "p95"}
 LOADS = ("light", "loaded")
 # The engines' model: small enough that a step takes tens of milliseconds on one core,
 # bytes for tokens (workers.vllm.tiny_model: what a reply says is the tokens it was).
@@ -210,15 +219,13 @@ def _wait_registered(urls: list[str], redis_url: str, children: list[Child], tim
 
 
 def set_roles(redis_url: str, policy: str, worker_ids: list[str]) -> None:
-    """``coloc``: both engines decode, each prefilling its own sessions' rounds; else engine 0
-    prefills and engine 1 decodes."""
+    """The engines' roles under ``policy`` (``ROLES``)."""
     from gateway.elastic_live import set_role
 
     async def assign() -> None:
         redis = heartbeat_client(redis_url)
         try:
-            roles = ("decode", "decode") if policy == "coloc" else ("prefill", "decode")
-            for worker_id, role in zip(worker_ids, roles, strict=True):
+            for worker_id, role in zip(worker_ids, ROLES.get(policy, DISAGGREGATED), strict=True):
                 await set_role(redis, PREFIX, worker_id, role)
         finally:
             await redis.aclose()
@@ -230,7 +237,8 @@ def set_roles(redis_url: str, policy: str, worker_ids: list[str]) -> None:
 def gateway(policy: str, slo: SLO, redis_url: str, log_dir: Path) -> Iterator[str]:
     port = free_port()
     options = ["--redis-url", redis_url, "--redis-prefix", PREFIX, "--policy", policy,
-               "--ttft-slo", repr(slo.ttft_s), "--itl-slo", repr(slo.itl_s)]  # fmt: skip
+               "--ttft-slo", repr(slo.ttft_s), "--itl-slo", repr(slo.itl_s),
+               "--itl-slo-metric", ITL_RULE.get(policy, "mean")]  # fmt: skip
     child = spawn_gateway("gateway", port, options, log_dir / f"gateway-{policy}.log")
     try:
         if wait_healthy([child], timeout_s=60, path="/readyz") is not None:
@@ -311,10 +319,14 @@ def sim_metrics(sim: Simulation, slo: SLO) -> dict[str, float | None]:
 
 
 def sim_config(policy: str, profile: Profile, slo: SLO) -> SimConfig:
-    """The live deployment, simulated: two engines colocated, or one prefill and one decode."""
-    if policy == "coloc":
-        return SimConfig(decode=Pool(profile, 2), prefill=None, slo=slo, policy=policy, scheduler=SCHEDULER)
-    return SimConfig(decode=Pool(profile, 1), prefill=Pool(profile, 1), slo=slo, policy=policy, scheduler=SCHEDULER)
+    """The live deployment, simulated: two engines colocated or unified, or one prefill and
+    one decode; steered by the policy's ITL rule, as its gateway was."""
+    rule = ITL_RULE.get(policy, "mean")
+    if policy in ROLES:
+        return SimConfig(decode=Pool(profile, 2), prefill=None, slo=slo, policy=policy, scheduler=SCHEDULER,
+                         itl_rule=rule)  # fmt: skip
+    return SimConfig(decode=Pool(profile, 1), prefill=Pool(profile, 1), slo=slo, policy=policy, scheduler=SCHEDULER,
+                     itl_rule=rule)  # fmt: skip
 
 
 def rows(results: dict[tuple[str, str], list[tuple[dict, dict]]]) -> list[dict]:

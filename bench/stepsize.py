@@ -159,7 +159,8 @@ def _arm(
     log_dir.mkdir(parents=True, exist_ok=True)
     steps = log_dir / "steps.jsonl"
     steps.unlink(missing_ok=True)
-    options = [] if target is None else ["--step-target-ms", f"{target:g}", "--step-log", str(steps.resolve())]
+    sizing = ["--step-target-ms", f"{target:g}", "--step-log", str(steps.resolve())]
+    options = ["--no-step-sizing"] if target is None else sizing  # vLLM's own scheduler, else ampd's
     with engines(setup.vllm_python, model, str(setup.profile), redis_url, log_dir, cores=(ENGINE_CORE,),
                  options=options, vllm_args=budget.vllm_args()) as e, _pinned({1 - ENGINE_CORE}):  # fmt: skip
         gaps, tokens, window, ttfts = asyncio.run(_workload(e.urls[0], setup, letter_ids(model)))

@@ -12,7 +12,10 @@ from redis.driver_info import DriverInfo
 from gateway.config import GatewayConfig
 from gateway.coordinator import Gateway
 from gateway.elastic_live import ElasticLoop
+from gateway.engines.kv_index import KVIndex
+from gateway.engines.kv_subscriber import KVSubscriber
 from gateway.engines.pool import WorkerPool
+from gateway.engines.step_targets import StepTargets
 from gateway.engines.tokens import ServedTokenizers
 from gateway.engines.upstream import EngineClient
 from gateway.metrics import GatewayMetrics
@@ -23,6 +26,7 @@ from gateway.state.redis_batch import PackedConnection, RedisBatch
 from gateway.state.round_reads import RoundReads
 from gateway.state.sessions import SessionStore
 from gateway.state.stats import WindowedStats
+from gateway.tenancy import Keyring
 from gateway.tracing import RoundTracer
 from rounds.core import RoundCore
 from rounds.policies import POLICIES
@@ -40,8 +44,9 @@ def assemble(config: GatewayConfig) -> Gateway:
     client = EngineClient(config.request_timeout_s)
     policy = POLICIES[config.policy]
     core = RoundCore(policy, config.alpha, config.beta, config.reorder_window, random.Random(config.routing_seed),
-                     config.itl_slo_metric)  # fmt: skip
-    metrics = GatewayMetrics(roles=lambda: pool.role_list())
+                     config.itl_slo_metric, config.placement)  # fmt: skip
+    index = KVIndex()
+    metrics = GatewayMetrics(roles=lambda: pool.role_list(), indexed=lambda: index.held_blocks())
     health = RedisHealth(metrics.redis_up, metrics.redis_errors)
     queues = PrefillQueues(
         redis, batch, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
@@ -63,7 +68,9 @@ def assemble(config: GatewayConfig) -> Gateway:
         queues=queues, sessions=sessions, reads=RoundReads(batch, sessions, queues, stats, health),
         tokenizers=ServedTokenizers(redis, config.key_prefix, client, metrics.prompt_count_checks),
         rounds=RoundRunner(core, pool, queues, client, metrics, config.migration_limit, recorder),
-        tools=ToolRunner(config.redis_url, config.key_prefix), elastic=elastic,
+        tools=ToolRunner(config.redis_url, config.key_prefix), step_targets=StepTargets(redis, config),
+        keys=Keyring(config.api_keys, config.api_keys_file),
+        kv=KVSubscriber(index, metrics.kv_malformed, metrics.kv_dropped), elastic=elastic,
     )  # fmt: skip
 
 

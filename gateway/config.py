@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import secrets
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from perfmodel.profile import Profile
 from perfmodel.slo import ALPHA, BETA, SLO, ItlRule, derived_slo
 from rounds.elastic import RolePlan
+from rounds.placement import Placement
 from rounds.policies import POLICIES
 from surface.registry import Role
 from tools_sandbox.registry import TOOLS
@@ -38,6 +39,11 @@ class GatewayConfig(BaseModel):
     replica_id: str = Field(default_factory=lambda: secrets.token_hex(6))
 
     policy: str = "ampd"
+    placement: Placement = Field(
+        default="memory",
+        description="where sessions bind and remote prefills go: memory, ampd, dynamo-kv, llmd-prefix or "
+        "sglang-cache (rounds.placement)",
+    )
     alpha: float = Field(default=ALPHA, gt=0, description="TTFT slack factor of Alg. 1")
     beta: float = Field(default=BETA, gt=0, description="ITL slack factor of Alg. 1")
     reorder_window: int = Field(default=3, ge=1, le=6, description="w of Alg. 2 (window and postponement cap)")
@@ -58,10 +64,29 @@ class GatewayConfig(BaseModel):
     max_queue: int = Field(default=1024, ge=1, description="queued prefills per worker before 429")
     session_ttl_s: int = Field(default=3600, ge=1)
     api_keys: tuple[str, ...] = Field(default=(), description="accepted keys, plain or 'sha256:<hex>'; none = open")
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="more keys, one a line ('KEY [tenant=NAME]'), re-read when the file changes or on SIGHUP",
+    )
+    access_log: str = Field(
+        default="ampd-access.log", description="a JSON line per request to this file; '-': stderr; 'off': none"
+    )
+    access_log_max_bytes: int = Field(default=100 * 2**20, ge=1024, description="size at which the file rotates")
+    access_log_backups: int = Field(default=5, ge=1, description="rotated files kept")
     max_body_bytes: int = Field(default=8 * 2**20, ge=1024)
     request_timeout_s: float = Field(default=600.0, gt=0)
     scrape_interval_s: float = Field(default=1.0, gt=0)
     static_workers: tuple[StaticWorker, ...] = ()
+    kv_index: bool = Field(
+        default=True,
+        description="subscribe to every engine's KV events and index the prefix blocks each holds "
+        "(gateway.engines.kv_index)",
+    )
+    served_model_names: tuple[str, ...] = Field(
+        default=(),
+        description="more names clients may call the engines' model by (as vLLM's --served-model-name); "
+        "/v1/models lists them first",
+    )
     server_tools: tuple[str, ...] = Field(
         default=tuple(TOOLS), description="server-side tools requests may enable with `server_tools`"
     )
@@ -97,14 +122,6 @@ class GatewayConfig(BaseModel):
         if self.role_plan is not None and POLICIES[self.policy].elastic is None:
             raise ValueError(f"a role plan steers an elastic policy, not {self.policy!r}")
         return self
-
-    @property
-    def key_hashes(self) -> frozenset[str]:
-        """API keys as SHA-256 hex digests: plain keys are hashed once, here."""
-        return frozenset(
-            k.removeprefix("sha256:") if k.startswith("sha256:") else hashlib.sha256(k.encode()).hexdigest()
-            for k in self.api_keys
-        )
 
     def slo(self, profile: Profile, speed: float) -> SLO:
         """The SLO rounds decoded on an engine of ``profile`` at ``speed`` are judged by: the

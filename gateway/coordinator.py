@@ -13,12 +13,11 @@ that differs.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -28,10 +27,13 @@ from pydantic import ValidationError
 from gateway.apis.schema import APIError, ChatRequest, check_tool_messages, validation_error
 from gateway.config import GatewayConfig
 from gateway.elastic_live import ElasticLoop
+from gateway.engines.kv_index import cached_tokens
+from gateway.engines.kv_subscriber import KVSubscriber
 from gateway.engines.pool import WorkerPool
+from gateway.engines.step_targets import StepTargets
 from gateway.engines.tokens import ServedTokenizers
 from gateway.engines.upstream import EngineClient, Reply, UpstreamError
-from gateway.exchange import PUBLIC_SCOPE, Exchange
+from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.rounds import Round, RoundRunner
 from gateway.state.outage import RedisHealth
@@ -39,8 +41,10 @@ from gateway.state.prefill_queue import PrefillQueues
 from gateway.state.redis_batch import RedisBatch
 from gateway.state.round_reads import RoundReads
 from gateway.state.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
+from gateway.tenancy import KEYS_POLL_S, Keyring
 from gateway.tool_loop import ClientView, announcement, round_summary, tool_messages
 from perfmodel.slo import SLO
+from rounds.core import Bound, Signals
 from tools_sandbox.client import ToolRunner
 from tools_sandbox.outcome import Outcome
 from tools_sandbox.registry import TOOLS, openai_tool
@@ -67,15 +71,19 @@ class Gateway:
     tokenizers: ServedTokenizers
     rounds: RoundRunner
     tools: ToolRunner
+    step_targets: StepTargets
+    keys: Keyring
+    kv: KVSubscriber
     elastic: ElasticLoop | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     # -- lifecycle ---------------------------------------------------------------------
     async def start(self) -> None:
-        await self.pool.refresh()
-        self.queues.watch(self.pool.workers)
+        await self._refresh()
         await self.queues.start()
         self._tasks = [asyncio.create_task(self._refresh_forever(), name="pool-refresh")]
+        if self.keys.file is not None:
+            self._tasks.append(asyncio.create_task(self.keys.watch(KEYS_POLL_S), name="keys-file"))
         if self.elastic is not None:
             self._tasks.append(asyncio.create_task(self.elastic.run_forever(self.slo_for), name="elastic"))
 
@@ -83,6 +91,7 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kv.close()
         await self.queues.stop()
         await self.client.close()
         self.tools.close()
@@ -92,27 +101,38 @@ class Gateway:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.scrape_interval_s)
-            await self.pool.refresh()
-            self.queues.watch(self.pool.workers)
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        await self.pool.refresh()
+        self.queues.watch(self.pool.workers)
+        await self.step_targets.assign(w.info for w in self.pool.workers.values())
+        if self.config.kv_index:
+            self.kv.follow(w.info for w in self.pool.workers.values())
 
     # -- an exchange begins -----------------------------------------------------------------
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
         """The caller's scope: sessions, hashes and ids are namespaced by it. The key is
         ``Authorization: Bearer <key>``, else ``api_key`` (Anthropic's ``x-api-key`` header)."""
-        if not self.config.key_hashes:
-            return PUBLIC_SCOPE
         key = (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        if not key or digest not in self.config.key_hashes:
+        scope = self.keys.scope(key)
+        if scope is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return digest[:16]
+        return scope
 
     def slo_for(self, model: str) -> SLO:
         worker = self.pool.decoders(model)[0].info
         return self.config.slo(worker.profile, worker.speed)
 
     def resolve_model(self, requested: str | None) -> str:
+        """The model the engines serve that ``requested`` names: their own name for it, or
+        one of the gateway's served model names, which stand for the one model they serve."""
         models = self.pool.models()
+        if requested in self.config.served_model_names:
+            if len(models) > 1:
+                raise APIError(503, f"the served model name {requested!r} stands for one model, and the engines "
+                               f"serve {len(models)}: {', '.join(models)}", code="ambiguous_model")  # fmt: skip
+            requested = models[0] if models else requested
         if requested is None and len(models) == 1:
             return models[0]
         if requested is None:
@@ -160,7 +180,7 @@ class Gateway:
             server_tools, session, self.slo_for(model), wants_usage, request_hash=hashes[-1] if hashes else "",
         )  # fmt: skip
         exchange.rebound(bound)
-        return exchange, self.rounds.plan(exchange, bound, l_total, arrival, signals)
+        return exchange, self._plan(exchange, bound, l_total, arrival, signals)
 
     async def count(self, raw: dict[str, Any]) -> int:
         """The prompt tokens of a chat body as its first round would count them (its
@@ -210,6 +230,31 @@ class Gateway:
                 self.pool.forget(worker.info.worker_id)
                 lost = exc
         raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
+
+    def _plan(self, ex: Exchange, bound: Bound, l_total: int, created: float, signals: Signals) -> Round:
+        """The round's plan. Under a placement by the engines' caches (rounds.placement) the
+        KV index's view of the prompt goes into the signals the core routes by, and into the
+        round's record; under ``memory`` nothing is hashed, so the hot path pays nothing."""
+        indexed = self._indexed(ex) if self.config.placement != "memory" else None
+        if indexed:
+            signals = replace(signals, cached_tokens=indexed)
+        r = self.rounds.plan(ex, bound, l_total, created, signals)
+        r.indexed = indexed
+        return r
+
+    def _indexed(self, ex: Exchange) -> dict[str, int] | None:
+        """The prompt tokens each engine the round could use holds in its prefix cache, as
+        the KV index sees them (gateway.engines.kv_index): the prompt's token ids, from its
+        model's published tokenizer, hashed as each engine hashes its blocks. None where
+        no engine is indexed or the gateway has no ids for the model."""
+        model = ex.body["model"]
+        hashing = self.kv.hashing(self._candidates(model))
+        if not hashing:
+            return None
+        ids = self.tokenizers.token_ids(model, ex.engine_messages, ex.engine_tools)
+        if ids is None:
+            return None
+        return cached_tokens(self.kv.index, hashing, ids, ex.body.get("cache_salt"))
 
     def _candidates(self, model: str) -> list[str]:
         """Every worker a round of ``model`` could use."""
@@ -273,7 +318,7 @@ class Gateway:
         except ValueError as exc:
             raise UpstreamError(f"no decode worker is left for {model}", 503) from exc
         ex.rebound(bound)
-        return self.rounds.plan(ex, bound, l_total, created, signals)
+        return self._plan(ex, bound, l_total, created, signals)
 
     # -- the exchange ends ------------------------------------------------------------------
     async def _close(self, ex: Exchange, client: Reply) -> None:

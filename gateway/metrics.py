@@ -39,6 +39,23 @@ class _Roles(Collector):
         yield family
 
 
+class _IndexedBlocks(Collector):
+    """The blocks the replica's KV index holds per engine (gateway.engines.kv_index), read
+    at scrape time."""
+
+    def __init__(self, indexed: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self.indexed = indexed
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "ampd_kv_indexed_blocks", "Prefix blocks each engine holds, as this replica's KV index sees them.",
+            labels=["worker"],
+        )  # fmt: skip
+        for worker, blocks in self.indexed():
+            family.add_metric([worker], blocks)
+        yield family
+
+
 class Family:
     """A labelled metric and its children, each child made once. prometheus-client's
     ``labels()`` checks, converts and locks on every call - eight Python calls - and a round
@@ -56,9 +73,14 @@ class Family:
 
 
 class GatewayMetrics:
-    """``roles``: (worker, role) of every engine in the pool, read at each scrape."""
+    """``roles``: (worker, role) of every engine in the pool, and ``indexed``: (worker,
+    blocks) of every engine the KV index follows, both read at each scrape."""
 
-    def __init__(self, roles: Callable[[], Iterable[tuple[str, str]]]) -> None:
+    def __init__(
+        self,
+        roles: Callable[[], Iterable[tuple[str, str]]],
+        indexed: Callable[[], Iterable[tuple[str, int]]] = tuple,
+    ) -> None:
         r = CollectorRegistry()
         self.postponements = Counter(
             "ampd_reorder_postponements", "Tasks postponed by prefill reordering (Alg. 2).", registry=r
@@ -122,12 +144,22 @@ class GatewayMetrics:
             buckets=(1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3),
             registry=r,
         )
+        self.kv_malformed = Counter(
+            "ampd_kv_events_malformed", "KV event frames from engines that did not decode, skipped.", registry=r
+        )
+        self.kv_dropped = Family(Counter(
+            "ampd_kv_index_dropped", "Engines' views in the KV index dropped and rebuilt: gap, restart, bound.",
+            ["reason"], registry=r,
+        ))  # fmt: skip
+        for reason in ("gap", "restart", "bound"):
+            self.kv_dropped.labels(reason)
         if os.environ.get(MULTIPROCESS_DIR):
             self._exposed = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._exposed)
         else:
             self._exposed = r
         self._exposed.register(_Roles(roles))
+        self._exposed.register(_IndexedBlocks(indexed))
 
     def exposition(self) -> bytes:
         """The text a scrape gets: this process's metrics, or every process's of its replica."""

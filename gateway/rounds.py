@@ -51,6 +51,7 @@ class Round:
     migrations: int = 0
     times: RoundTimes = field(default_factory=lambda: RoundTimes(time.time()))
     index: int = 1  # its place in the exchange: server tool rounds follow the first
+    indexed: dict[str, int] | None = None  # prompt tokens each engine holds, as the KV index saw at planning
     route: Literal["local", "remote"] = field(init=False)  # as run: a remote prefill that fails runs locally
 
     def __post_init__(self) -> None:
@@ -227,6 +228,15 @@ class RoundRunner:
         return leg, Continued(reply.head, l_total, ex.wants_usage, view)
 
 
+def indexed_cached_tokens(r: Round) -> int | None:
+    """The prompt tokens the KV index said the engine that prefilled the round held (None
+    where the index had no view: no events, or no token ids for the model)."""
+    if r.indexed is None:
+        return None
+    prefilled_on = r.plan.route.worker_id if r.route == "remote" else r.decode.info.worker_id
+    return r.indexed.get(prefilled_on)
+
+
 class RoundRecorder:
     """After a round: what the core says it changed, written where it is kept."""
 
@@ -278,7 +288,8 @@ class RoundRecorder:
         # one round trip to close a round instead of two.
         pipe = ex.writes if ex.writes is not None else self.redis.pipeline(transaction=False)
         self.stats.record(pipe, closed.observations)
-        self.sessions.record_round(pipe, session, shallow(closed.record), round_key(ex.request_hash, r.index))
+        entry = dict(shallow(closed.record), indexed_cached_tokens=indexed_cached_tokens(r))
+        self.sessions.record_round(pipe, session, entry, round_key(ex.request_hash, r.index))
         if self.demand is not None:  # what the elastic controller forecasts from
             self.demand.finished(pipe, closed.record.completion_tokens, time.time())
         ex.writes = pipe

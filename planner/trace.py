@@ -6,6 +6,16 @@ One line per session (an agent run or an iterative RAG query)::
         {"input_tokens": 812, "output_tokens": 47, "tool_calls": 1, "tool_latency_s": 0.9},
         {"input_tokens": 655, "output_tokens": 52, "tool_calls": 0, "tool_latency_s": 0.0}]}
 
+A session of an agent population also says which of its first round's leading tokens
+other sessions share (``prefix``: segments in order, each a ``key`` naming its content
+and its ``tokens``; a session's first ``sum(tokens)`` input tokens are those segments,
+and two sessions share a block of them where their segment keys agree up to the segment
+the block ends in)::
+
+    {"session_id": "tb-7", "arrival_s": 3.2, "prefix": [
+        {"key": "agent-2/system", "tokens": 1830}, {"key": "tenant-4/agent-2/tools", "tokens": 9120}],
+     "rounds": [{"input_tokens": 11152, "output_tokens": 61, "tool_calls": 1, "tool_latency_s": 1.1}, ...]}
+
 ``input_tokens`` is what the round adds to the conversation before it prefills (the
 whole prompt in the first round, the tool results after that), so the round's prompt
 is every earlier round's input and output plus its own input. The session waits
@@ -34,6 +44,11 @@ incremental prefill computes). The spreads are our choice too:
   exactly three retrievals, so three rounds (Appendix B);
 * tool latency is log-normal around the tool's kind: 1 s for ToolBench's REST APIs,
   2 s for GAIA's browsing and code, 0.2 s for a retrieval (not in the paper);
+* agent populations (``with_agents``): K agent types, each with a system prompt
+  (1-3k tokens) and tool schemas (4-22k), so 5-25k tokens of instructions before the
+  task - the range of production agents' prompts (a coding agent's tools and rules run
+  10-20k) - and T tenants; a session is drawn from a type and a tenant, and its first
+  round starts with that shared prefix;
 * sessions arrive as a Poisson process at ``rate`` per second (section 7.1), or at a
   rate that varies in time (``Shape``: a ramp, a burst, a day-shaped curve, and a mix
   that shifts from one workload to another) - the load a fixed deployment serves worst.
@@ -60,18 +75,34 @@ class TraceRound(BaseModel):
     tool_latency_s: float = Field(default=0.0, ge=0, description="time until the tool results are in")
 
 
+class SharedPrefix(BaseModel):
+    """One segment of the leading tokens a session shares with others (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str = Field(min_length=1, description="names the segment's content: equal keys, equal tokens")
+    tokens: int = Field(ge=1)
+
+
 class TraceSession(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     session_id: str = Field(min_length=1)
     arrival_s: float = Field(ge=0)
     rounds: list[TraceRound] = Field(min_length=1)
+    prefix: list[SharedPrefix] = Field(default=[], description="the first round's leading tokens other sessions share")
 
     @model_validator(mode="after")
     def _last_round_ends(self) -> TraceSession:
         if self.rounds[-1].tool_calls:
             raise ValueError(f"session {self.session_id}: the last round calls tools nobody answers")
+        if self.prefix_tokens >= self.rounds[0].input_tokens:
+            raise ValueError(f"session {self.session_id}: its shared prefix leaves its first round no own tokens")
         return self
+
+    @property
+    def prefix_tokens(self) -> int:
+        return sum(segment.tokens for segment in self.prefix)
 
     @property
     def context_tokens(self) -> int:
@@ -100,7 +131,8 @@ def load_trace(path: Path) -> list[TraceSession]:
 
 
 def write_trace(sessions: Iterable[TraceSession], path: Path) -> None:
-    path.write_text("".join(s.model_dump_json() + "\n" for s in sessions))
+    """One JSON line per session; a session without a shared prefix is written without the field."""
+    path.write_text("".join(s.model_dump_json(exclude=None if s.prefix else {"prefix"}) + "\n" for s in sessions))
 
 
 @dataclass(frozen=True)
@@ -190,6 +222,43 @@ def generate(workload: Workload, sessions: int, rate: float, seed: int = 0) -> l
         raise ValueError("need at least one session and a positive rate")
     rng = np.random.default_rng(seed)
     return _sessions(rng, workload, np.cumsum(rng.exponential(1 / rate, sessions)))
+
+
+@dataclass(frozen=True)
+class Agents:
+    """A population of ``types`` agent types serving ``tenants`` tenants (module docstring):
+    each type has its system prompt and its tool schemas, whose lengths are drawn once
+    per type; with more than one tenant, each tenant brings its own tool schemas (its
+    own APIs) of the type's length."""
+
+    types: int
+    tenants: int = 1
+    system_tokens: tuple[int, int] = (1000, 3000)  # the range a type's system prompt is drawn from
+    tool_tokens: tuple[int, int] = (4000, 22000)  # the range its tool schemas are drawn from
+
+    def __post_init__(self) -> None:
+        if self.types < 1 or self.tenants < 1:
+            raise ValueError("an agent population needs at least one agent type and one tenant")
+
+
+def with_agents(sessions: Sequence[TraceSession], agents: Agents, seed: int = 0) -> list[TraceSession]:
+    """``sessions``, each drawn from an agent type and a tenant (uniformly): its first round
+    starts with that type's system prompt and that tenant's tool schemas for it, which
+    every session of the type (and tenant) shares. The draws take a random stream of
+    their own, so the sessions' own tokens, rounds and arrivals stay what they were."""
+    rng = np.random.default_rng([seed, 1])
+    system = rng.integers(agents.system_tokens[0], agents.system_tokens[1] + 1, agents.types)
+    tools = rng.integers(agents.tool_tokens[0], agents.tool_tokens[1] + 1, agents.types)
+    kinds, tenants = rng.integers(0, agents.types, len(sessions)), rng.integers(0, agents.tenants, len(sessions))
+    out = []
+    for session, k, t in zip(sessions, kinds, tenants, strict=True):
+        owner = f"tenant-{t}/agent-{k}" if agents.tenants > 1 else f"agent-{k}"
+        prefix = [SharedPrefix(key=f"agent-{k}/system", tokens=int(system[k])),
+                  SharedPrefix(key=f"{owner}/tools", tokens=int(tools[k]))]  # fmt: skip
+        first = session.rounds[0]
+        head = first.model_copy(update={"input_tokens": first.input_tokens + sum(p.tokens for p in prefix)})
+        out.append(session.model_copy(update={"rounds": [head, *session.rounds[1:]], "prefix": prefix}))
+    return out
 
 
 ShapeKind = Literal["ramp", "burst", "diurnal", "mix"]

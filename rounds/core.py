@@ -5,7 +5,8 @@ The live gateway (gateway.coordinator, gateway.rounds) and the simulator
 is a result of the live code. Events in, decisions out:
 
 * :meth:`RoundCore.bind` - AMPD step 1: the decode worker a session's round runs on
-  (kept while it serves, else bound by memory, rounds.binding);
+  (kept while it serves, else placed by the placement rule: by memory as AMPD binds,
+  rounds.binding, or by what the engines cache of the prompt, rounds.placement);
 * :meth:`RoundCore.plan` - the round's prefill task, its route (the policy: AMPD's
   Alg. 1 or a baseline, rounds.policies) and its queue estimate (Eq. 1-2's t_pre on
   the routed worker, what that worker's prefill queue then holds);
@@ -27,6 +28,7 @@ from typing import Literal
 from perfmodel.profile import Profile
 from perfmodel.slo import ALPHA, BETA, ITL_RULES, SLO, Gaps, ItlRule
 from rounds.binding import DecodeCandidate, choose_decode_worker
+from rounds.placement import EngineLoad, Placement, PlacementContext, place
 from rounds.policies import Policy, pick, route
 from rounds.reordering import Decision, QueuedTask
 from rounds.routing import PrefillTask, Route, RouteContext, WorkerView, local_compute, remote_compute
@@ -61,12 +63,18 @@ class Candidate:
 @dataclass(frozen=True)
 class Signals:
     """The load signals read when a round starts: estimated seconds of prefill queued per
-    worker, windowed means per (series, worker) (gateway.state.stats; series below), and the
-    prompt tokens of the prefills queued or running per worker."""
+    worker, windowed means per (series, worker) (gateway.state.stats; series below), the
+    prompt tokens of the prefills queued or running per worker, and for placement
+    (rounds.placement) the round's prompt tokens each worker's prefix cache holds - as an
+    index of the engines' KV events reports them; a worker absent holds what the
+    session's state says - and its requests waiting and in flight."""
 
     queue_costs: Mapping[str, float]
     means: Mapping[tuple[str, str], float]
     active_tokens: Mapping[str, int] = field(default_factory=dict)
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    waiting: Mapping[str, int] = field(default_factory=dict)
+    running: Mapping[str, int] = field(default_factory=dict)
 
     def queue_cost(self, worker_id: str) -> float:
         # A worker that (re)joined since the signals were read has no queue yet.
@@ -90,6 +98,16 @@ ITL = "itl"  # per decode worker, (sum of gaps, number of gaps): a mean over tok
 def signal_series(worker_ids: Sequence[str]) -> list[tuple[str, str]]:
     """The (series, worker) means routing reads for these candidate workers."""
     return [(series, w) for w in worker_ids for series in (ITL, TTFT_REMOTE)]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A round's prompt as placement needs it: its length, the workers by id, and the
+    signals read when it started."""
+
+    l_total: int
+    workers: Mapping[str, Candidate]
+    signals: Signals
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +193,16 @@ def held_tokens(task: PrefillTask, route: Route) -> int:
     return task.l_total if route.split_at is None else route.split_at
 
 
+def _prefill_load(view: WorkerView, signals: Signals) -> EngineLoad:
+    """A prefill worker as placement sees it. Its KV holds the prompts it prefills until
+    their decode workers pull them, so their tokens stand for its KV in use."""
+    capacity = view.profile.kv_capacity_tokens
+    return EngineLoad(
+        view.worker_id, view.cached_tokens, view.active_tokens, signals.waiting.get(view.worker_id, 0),
+        signals.running.get(view.worker_id, 0), min(1.0, view.active_tokens / max(capacity, 1)), capacity,
+    )  # fmt: skip
+
+
 class RoundCore:
     """One policy's decisions over rounds; holds only its configuration and its random stream."""
 
@@ -186,9 +214,10 @@ class RoundCore:
         window: int = 3,
         rng: random.Random | None = None,
         itl_rule: ItlRule = "mean",
+        placement: Placement = "memory",
     ) -> None:
         self.policy, self.alpha, self.beta, self.window = policy, alpha, beta, window
-        self.rng, self.itl_rule = rng or random.Random(), itl_rule
+        self.rng, self.itl_rule, self.placement = rng or random.Random(), itl_rule, placement
 
     # -- a round begins ------------------------------------------------------------------
     def bind(
@@ -197,10 +226,13 @@ class RoundCore:
         decoders: Sequence[DecodeCandidate],
         keeps_history: bool = True,
         holders: Collection[str] = (),
+        prompt: Prompt | None = None,
     ) -> Bound:
         """The session on a decode worker that serves: its own while it is among
-        ``decoders`` (the workers taking new rounds), else the least loaded by memory.
-        A session that moves starts over there, and one whose request does not continue
+        ``decoders`` (the workers taking new rounds), else the one the placement rule
+        picks for ``prompt`` (without it, or under ``memory``, the least loaded by memory).
+        A session that moves starts over there with what that worker caches of its prompt
+        as its history (nothing under ``memory``), and one whose request does not continue
         what its worker holds (``keeps_history`` false: the client rewrote its history)
         has nothing cached either: l_hist 0. If its old worker is among ``holders`` -
         alive, but no longer decoding (it changed role: rounds.roles) - its prefix cache
@@ -208,14 +240,36 @@ class RoundCore:
         that worker's cached tokens) and the new worker pulls over NIXL."""
         if state is not None and any(c.worker_id == state.decode_worker for c in decoders):
             return Bound(state if keeps_history else replace(state, l_hist=0), moved=False)
-        worker_id = choose_decode_worker(decoders)
+        worker_id, cached = self._place_session(decoders, prompt)
         if state is None:
-            return Bound(SessionState(worker_id), moved=True)
+            return Bound(SessionState(worker_id, l_hist=cached), moved=True)
         if state.decode_worker in holders and keeps_history:
-            moved = replace(state, decode_worker=worker_id, l_hist=0, prefill_worker=state.decode_worker,
+            moved = replace(state, decode_worker=worker_id, l_hist=cached, prefill_worker=state.decode_worker,
                             prefill_cached=state.l_hist)  # fmt: skip
             return Bound(moved, moved=True)
-        return Bound(replace(state, decode_worker=worker_id, l_hist=0), moved=True)
+        return Bound(replace(state, decode_worker=worker_id, l_hist=cached), moved=True)
+
+    def _place_session(self, decoders: Sequence[DecodeCandidate], prompt: Prompt | None) -> tuple[str, int]:
+        """The decode worker a session (re)binds to, and the tokens of its prompt it caches."""
+        if prompt is None or self.placement == "memory":
+            return choose_decode_worker(decoders), 0
+        engines = [self._decode_load(d, prompt) for d in decoders]
+        block_size = prompt.workers[decoders[0].worker_id].block_size
+        worker_id = place(self.placement, PlacementContext("decode", prompt.l_total, block_size, engines))
+        return worker_id, next(e.cached_tokens for e in engines if e.worker_id == worker_id)
+
+    @staticmethod
+    def _decode_load(decoder: DecodeCandidate, prompt: Prompt) -> EngineLoad:
+        """A decode worker as placement sees it: Eq. 1 of the prompt on it, with l_hist what
+        its cache holds of the prompt."""
+        signals, worker = prompt.signals, prompt.workers[decoder.worker_id]
+        cached = min(max(0, signals.cached_tokens.get(decoder.worker_id, 0)), prompt.l_total - 1)
+        view = signals.view(worker)
+        return EngineLoad(
+            decoder.worker_id, cached, view.active_tokens, signals.waiting.get(decoder.worker_id, 0),
+            signals.running.get(decoder.worker_id, 0), decoder.expected_usage, decoder.kv_capacity_tokens,
+            view.t_pre(cached, prompt.l_total - cached) + view.queue_cost,
+        )  # fmt: skip
 
     def plan(
         self,
@@ -230,7 +284,10 @@ class RoundCore:
     ) -> RoundPlan:
         """The round's prefill task, where it runs, and what it adds to that worker's queue.
         ``decode`` is the session's worker; ``prefills`` the prefill workers of its model."""
-        task = PrefillTask(task_id, min(state.l_hist, l_total - 1), l_total, created_at)
+        l_hist = state.l_hist
+        if self.placement != "memory":  # the index's word on what d holds, where it has one
+            l_hist = signals.cached_tokens.get(decode.worker_id, l_hist)
+        task = PrefillTask(task_id, min(l_hist, l_total - 1), l_total, created_at)
         decode_view = signals.view(decode, windowed_itl=signals.means.get((ITL, decode.worker_id)))
         prefill_views = []
         if self.policy.uses_prefill_workers and not decode.colocates:
@@ -238,11 +295,12 @@ class RoundCore:
                 signals.view(
                     p,
                     windowed_ttft=signals.means.get((TTFT_REMOTE, p.worker_id)),
-                    cached_tokens=state.prefill_cached if p.worker_id == state.prefill_worker else 0,
+                    cached_tokens=self._prefill_cached(state, p, signals),
                 )  # fmt: skip
                 for p in prefills
                 if p.worker_id != decode.worker_id
             ]
+            prefill_views = self._placed_prefills(prefill_views, l_total, decode.block_size, signals)
         ctx = RouteContext(
             task, decode_view, prefill_views, slo, self.alpha, self.beta, self.rng, decode.block_size, self.itl_rule
         )
@@ -253,6 +311,25 @@ class RoundCore:
         end = held_tokens(task, chosen)
         cached = min(prefill.cached_tokens, end - 1)
         return RoundPlan(task, chosen, remote_compute(task, prefill, end), end - cached)
+
+    def _prefill_cached(self, state: SessionState, prefill: Candidate, signals: Signals) -> int:
+        """The round's prompt tokens ``prefill``'s cache holds: the index's word where placement
+        reads it and it has one, else the session's own (its last remote round's prompt)."""
+        if self.placement != "memory" and prefill.worker_id in signals.cached_tokens:
+            return signals.cached_tokens[prefill.worker_id]
+        return state.prefill_cached if prefill.worker_id == state.prefill_worker else 0
+
+    def _placed_prefills(
+        self, views: list[WorkerView], l_total: int, block_size: int, signals: Signals
+    ) -> list[WorkerView]:
+        """The prefill workers the policy may route to: every one under ``memory`` and
+        ``ampd`` (Alg. 1 takes the cheapest by Eq. 2, each with its cached tokens), the
+        one a production rule places the prompt on under the others."""
+        if self.placement in ("memory", "ampd") or len(views) < 2:
+            return views
+        engines = [_prefill_load(v, signals) for v in views]
+        chosen = place(self.placement, PlacementContext("prefill", l_total, block_size, engines))
+        return [v for v in views if v.worker_id == chosen]
 
     # -- a worker's prefill queue dispatches ------------------------------------------------
     @property

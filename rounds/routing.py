@@ -63,7 +63,7 @@ class WorkerView:
     active_tokens: int = 0  # prompt tokens it has to compute for prefills queued or running on it
     token_budget: int = 8192  # tokens it schedules per step (vLLM's max_num_batched_tokens)
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
-    splits: bool = True  # it runs split requests (rounds.split_point): the GPU-free engine does, vLLM does not
+    splits: bool = True  # it runs split requests (rounds.split_point): the GPU-free engine, vLLM under ampd's connector
     node: str = ""  # the server it sits on ("": unknown)
 
     def same_node(self, other: WorkerView) -> bool:

@@ -38,8 +38,8 @@ split``, docs/studies/split.md). Alg. 1 as printed stays as ``dynaserve-alg1``
 (``alg1_route``), to compare with.
 
 Split points are whole KV blocks: the decode engine pulls whole blocks. Where the engines
-cannot run a split (one that does not register ``splits``: vLLM's connector pulls whole
-prompts), the choice is among the two ends only: local or remote.
+cannot run a split (one that does not register ``splits``: vLLM under its own connector,
+which pulls whole prompts), the choice is among the two ends only: local or remote.
 
 Not DynaServe's: splits inside the decode phase (alpha generating the first tokens) -
 a session's decode stays on the engine it is bound to.

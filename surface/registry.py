@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ NODE_ENV = "AMPD_NODE"
 # After a failed beat, try again soon rather than a third of the TTL later: a Redis that
 # comes back empty (restarted) should list the worker again within a moment.
 RETRY_AFTER_FAILURE_S = 0.25
+STEP_TARGET_POLL_S = 1.0  # how soon an assigned step target reaches an engine's scheduler
 
 
 def heartbeat_client(url: str) -> aioredis.Redis:
@@ -55,6 +57,13 @@ class WorkerInfo:
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (vLLM's long_prefill_token_threshold)
     splits: bool = False  # prefills a prompt's head alone (``split_at``): DynaServe's micro-requests
     node: str = ""  # the server it runs on (node_name): KV moves over the server's GPU interconnect within one
+    sized_steps: bool = False  # its scheduler keeps to the step target assigned here (follow_step_target)
+    # Its KV events (surface.kv_events): the PUB and replay (ROUTER) endpoints, "" if off, and
+    # how its block hashes are made, so that a gateway hashes a prompt's tokens as it does.
+    kv_events: str = ""
+    kv_events_replay: str = ""
+    kv_hash_algo: str = ""
+    kv_hash_seed: str = ""
 
     @property
     def decodes(self) -> bool:
@@ -83,6 +92,11 @@ class WorkerInfo:
             prefill_chunk=int(fields.get("prefill_chunk", 0)),
             splits=fields.get("splits") == "True",
             node=fields.get("node", ""),
+            sized_steps=fields.get("sized_steps") == "True",
+            kv_events=fields.get("kv_events", ""),
+            kv_events_replay=fields.get("kv_events_replay", ""),
+            kv_hash_algo=fields.get("kv_hash_algo", ""),
+            kv_hash_seed=fields.get("kv_hash_seed", ""),
         )
 
 
@@ -115,14 +129,39 @@ def role_key(prefix: str, worker_id: str) -> str:
     return f"{prefix}:role:{worker_id}"
 
 
-async def step_target_ms(redis: aioredis.Redis, prefix: str, worker_id: str) -> float | None:
-    """The step target assigned to an engine, if any."""
-    value = await redis.hget(role_key(prefix, worker_id), "step_target_ms")
-    return float(value) if value not in (None, "") else None
+async def step_targets_ms(redis: aioredis.Redis, prefix: str, worker_ids: list[str]) -> dict[str, float]:
+    """The step targets assigned to these engines (those with none are left out)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in worker_ids:
+            pipe.hget(role_key(prefix, worker_id), "step_target_ms")
+        values = await pipe.execute()
+    return {w: float(v) for w, v in zip(worker_ids, values, strict=True) if v not in (None, "")}
 
 
 async def set_step_target_ms(redis: aioredis.Redis, prefix: str, worker_id: str, target_ms: float) -> None:
     await redis.hset(role_key(prefix, worker_id), "step_target_ms", repr(float(target_ms)))
+
+
+async def follow_step_target(
+    redis: aioredis.Redis, prefix: str, worker_id: str, apply: Callable[[float], None], initial_ms: float
+) -> None:
+    """Hand the step target assigned in the registry (by a gateway whose policy sizes steps,
+    gateway.engines.step_targets, or by `ampd workers step-target`) to the engine's scheduler
+    with ``apply``, without a restart; until one is assigned the engine keeps ``initial_ms``.
+    A Redis away leaves the last target in place."""
+    current = initial_ms
+    while True:
+        try:
+            async with asyncio.timeout(5 * STEP_TARGET_POLL_S):
+                assigned = (await step_targets_ms(redis, prefix, [worker_id])).get(worker_id)
+        except (aioredis.RedisError, OSError) as exc:  # TimeoutError is an OSError
+            log.warning("reading the step target from Redis failed: %r", exc)
+            assigned = None
+        if assigned is not None and assigned != current:
+            apply(assigned)
+            log.info("step target %.1f ms (was %.1f)", assigned, current)
+            current = assigned
+        await asyncio.sleep(STEP_TARGET_POLL_S)
 
 
 def tokenizer_key(prefix: str, model: str) -> str:

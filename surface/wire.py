@@ -24,15 +24,19 @@ KVBufferDevice = Literal["cuda", "cpu"]
 # -- the connector ----------------------------------------------------------------------
 
 
-def kv_transfer_config(kv_buffer_device: KVBufferDevice) -> dict[str, str]:
+def kv_transfer_config(kv_buffer_device: KVBufferDevice, connector_module: str | None = None) -> dict[str, str]:
     """vLLM's ``--kv-transfer-config``. A KV pull that fails (a handshake timing out, the
-    prefill engine gone) recomputes the missing blocks instead of failing the round."""
-    return {
+    prefill engine gone) recomputes the missing blocks instead of failing the round.
+    ``connector_module``: where vLLM loads ``NixlConnector`` from instead of its own
+    (``kv_connector_module_path``; ampd's, workers.vllm.connector, runs split requests).
+    The class keeps vLLM's name, which vLLM's configuration checks connectors by."""
+    config = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
         "kv_buffer_device": kv_buffer_device,
         "kv_load_failure_policy": "recompute",
     }
+    return config if connector_module is None else {**config, "kv_connector_module_path": connector_module}
 
 
 # -- kv_transfer_params -------------------------------------------------------------------
@@ -47,12 +51,12 @@ PREFILL_PARAMS: dict[str, Any] = {
     "remote_port": None,
 }
 
-# ampd's extension (the GPU-free engine only): prefill and hold only the prompt's first
-# ``split_at`` tokens - a split request's first part (rounds.split_point). The answer's
-# ``remote_num_tokens`` says how many; a decode engine pulls those and prefills the rest.
-# vLLM 0.32 could run the first half from a prompt of token ids cut at s, but its decode
-# engine's NIXL scheduler pulls KV for the whole prompt and ignores remote_num_tokens
-# (docs/architecture.md: where the GPU-free engine differs from vLLM 0.32).
+# ampd's extension: prefill and hold only the prompt's first ``split_at`` tokens - a split
+# request's first part (rounds.split_point). The answer's ``remote_num_tokens`` says how
+# many; a decode engine pulls those and prefills the rest. The GPU-free engine runs it
+# itself; vLLM 0.32 through ampd's connector (workers.vllm.connector), whose prefill side
+# cuts the prompt and whose decode side caps the pull at remote_num_tokens - vLLM's own
+# NixlConnector pulls KV for the whole prompt, ignoring remote_num_tokens.
 SPLIT_AT = "split_at"
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import subprocess
+import sys
 import time
 import uuid
 from urllib.parse import quote, unquote
@@ -26,6 +28,7 @@ from tests.engines import kill_group, session_rounds, start_gateway, start_sim_w
 
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the suite's own database
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+ALIAS = "llama-3.1-8b"  # a served model name without a slash: the Agents SDK reads "org/" as a provider
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 RESPONSES_TOOL = {"type": "function", "name": "get_weather", "description": "Weather now", "parameters": WEATHER_SCHEMA}
 MESSAGES_TOOL = {"name": "get_weather", "description": "Weather now", "input_schema": WEATHER_SCHEMA}
@@ -45,7 +48,7 @@ class Stack:
             self.children.append(start_sim_worker(tmp, "--role", "prefill", *common))
             self.children.append(start_sim_worker(tmp, "--role", "decode", "--enable-prompt-tokens-details", *common))
             self.tools = start_tools_worker(tmp, REDIS_URL, self.prefix)
-            self.gateway = start_gateway(tmp, REDIS_URL, self.prefix)
+            self.gateway = start_gateway(tmp, REDIS_URL, self.prefix, "--served-model-name", ALIAS)
             keyed = [arg for key in KEYS for arg in ("--api-key", key)]
             self.keyed = start_gateway(tmp, REDIS_URL, self.prefix, *keyed)
         except BaseException:
@@ -208,7 +211,7 @@ def test_responses_errors_have_openais_shape(stack):
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools"),
         ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c1", "output": "out of the blue"}]},
-         "messages"),
+         "input"),
     ]:  # fmt: skip
         response = httpx.post(f"{stack.url}/v1/responses", json=body, timeout=30)
         assert response.status_code == 400, (body, response.text)
@@ -233,6 +236,138 @@ def test_another_keys_response_id_is_not_found(stack):
         openai.OpenAI(base_url=f"{stack.keyed.url}/v1", api_key="sk-wrong", max_retries=0).responses.create(
             model=MODEL, input="x"
         )
+
+
+AGENTS_RECIPE = """
+import sys
+from agents import Agent, Runner, function_tool, set_default_openai_client, set_tracing_disabled
+from openai import AsyncOpenAI
+
+set_default_openai_client(AsyncOpenAI(base_url=sys.argv[1] + "/v1", api_key="unused"))
+set_tracing_disabled(True)  # else the SDK sends its traces to OpenAI
+
+@function_tool
+def get_weather(city: str) -> str:
+    \"\"\"The weather in a city now.\"\"\"
+    print("get_weather", city, file=sys.stderr)
+    return f"21 C and sunny in {city}"
+
+agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model="llama-3.1-8b")
+print(Runner.run_sync(agent, "Weather in Oslo?").final_output)
+"""
+
+
+def test_the_agents_sdk_recipe_runs_against_a_served_model_name(stack):
+    """The README's recipe, as a user runs it: the Agents SDK's default client and model
+    lookup, in its default Responses mode, with the gateway's --served-model-name alias
+    (the engines' own name, with its "org/", is read by the SDK as a provider)."""
+    assert [m.id for m in openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused").models.list().data] == [
+        ALIAS, MODEL,
+    ]  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", AGENTS_RECIPE, stack.url], capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "get_weather " in run.stderr, (run.stdout, run.stderr)  # the tool ran
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted_under_their_key(stack):
+    mine = openai.OpenAI(base_url=f"{stack.keyed.url}/v1", api_key=KEYS[0], max_retries=0)
+    theirs = openai.OpenAI(base_url=f"{stack.keyed.url}/v1", api_key=KEYS[1], max_retries=0)
+    question = f"Weather in Paris? {uuid.uuid4().hex}"
+    items = [{"role": "user", "content": question},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Briefly."}]}]  # fmt: skip
+    created = mine.responses.create(model=MODEL, input=items, max_output_tokens=8)
+    got = mine.responses.retrieve(created.id)
+    assert got.model_dump() == created.model_dump()
+    listed = mine.responses.input_items.list(created.id)  # newest first, as OpenAI lists them
+    assert [item.content[0].text for item in listed.data] == ["Briefly.", question]
+    assert all(item.id and item.type == "message" for item in listed.data) and not listed.has_more
+    one = mine.responses.input_items.list(created.id, order="asc", limit=1)
+    assert [item.content[0].text for item in one.data] == [question] and one.has_more
+    paged = [item.content[0].text for item in mine.responses.input_items.list(created.id, order="asc", limit=1)]
+    assert paged == [question, "Briefly."]  # the SDK pages on with `after`
+    for other in (lambda: theirs.responses.retrieve(created.id), lambda: theirs.responses.delete(created.id),
+                  lambda: theirs.responses.input_items.list(created.id)):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            other()
+    streamed = list(mine.responses.create(model=MODEL, input=question, max_output_tokens=8, stream=True))
+    final = streamed[-1].response
+    assert mine.responses.retrieve(final.id).model_dump() == final.model_dump()  # as its last event had it
+
+    mine.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        mine.responses.retrieve(created.id)
+    assert gone.value.body == {"message": f"Response with id '{created.id}' not found.", "type": "not_found_error",
+                               "param": "response_id", "code": "not_found"}  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError) as continued:
+        mine.responses.create(model=MODEL, input="Go on.", previous_response_id=created.id)
+    assert continued.value.body["code"] == "previous_response_not_found"
+    unstored = mine.responses.create(model=MODEL, input=question, max_output_tokens=8, store=False)
+    with pytest.raises(openai.NotFoundError):
+        mine.responses.retrieve(unstored.id)
+
+
+def test_every_path_answers_errors_in_its_apis_shape(stack):
+    """Unknown paths, wrong methods, bad queries and oversized bodies: OpenAI's error body
+    under /v1/chat and /v1/responses (and the gateway's other paths), Anthropic's under
+    /v1/messages - never FastAPI's {"detail": ...}."""
+    for method, path, status, words in [
+        ("GET", "/v1/nowhere", 404, "Invalid URL (GET /v1/nowhere)"),
+        ("GET", "/v1/chat/completions", 405, "Method not allowed (GET /v1/chat/completions); this path takes POST"),
+        ("PUT", "/v1/responses", 405, "Method not allowed (PUT /v1/responses); this path takes POST"),
+        ("GET", "/v1/responses/resp_x/input_items?limit=0", 400, "limit: Input should be greater than or equal to 1"),
+    ]:
+        response = httpx.request(method, f"{stack.url}{path}", timeout=30)
+        assert response.status_code == status, (path, response.text)
+        error = response.json()["error"]
+        assert set(response.json()) == {"error"} and set(error) == {"message", "type", "param", "code"}
+        assert error["message"] == words and error["type"] in ("invalid_request_error", "not_found_error")
+    for method, path, status, kind in [
+        ("GET", "/v1/messages", 405, "invalid_request_error"),
+        ("POST", "/v1/messages/nowhere", 404, "not_found_error"),
+    ]:
+        response = httpx.request(method, f"{stack.url}{path}", timeout=30)
+        assert response.status_code == status, (path, response.text)
+        assert response.json() == {"type": "error", "error": {"type": kind, "message": response.json()["error"][
+            "message"]}} and path in response.json()["error"]["message"]  # fmt: skip
+    huge = "x" * (9 * 2**20)  # past the gateway's 8 MiB
+    with pytest.raises(openai.APIStatusError) as large:
+        openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0).responses.create(
+            model=MODEL, input=huge
+        )
+    assert large.value.status_code == 413 and large.value.body["code"] == "request_too_large"
+    with pytest.raises(anthropic.APIStatusError) as large_message:
+        anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0).messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": huge}]
+        )
+    assert large_message.value.status_code == 413
+    assert large_message.value.body["error"]["type"] == "request_too_large"
+
+
+def test_translated_apis_name_their_own_fields_in_errors(stack):
+    """An error about the chat body a request became names the caller's fields: an orphan
+    function_call_output is an ``input`` item, an oversized ``max_output_tokens`` is not
+    chat's ``max_tokens``, an unanswered tool_result is a block of a Messages turn."""
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    orphan = [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "c1", "output": "x"}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model=MODEL, input=orphan)
+    assert bad.value.body == {"message": "input.1: a function_call_output must follow the function_call it answers",
+                              "type": "invalid_request_error", "param": "input", "code": None}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as long:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=10**7)
+    assert long.value.body["param"] == "max_output_tokens", long.value.body
+    assert long.value.body["message"].startswith("max_output_tokens=10000000 cannot be greater than")
+    assert "max_tokens" not in long.value.body["message"]
+    claude = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]  # fmt: skip
+    with pytest.raises(anthropic.BadRequestError) as unanswered:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=turns)
+    words = "messages.2.content.0: a tool_result block must answer a tool_use block of the assistant message before it"
+    assert unanswered.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": words}}
 
 
 # -- Anthropic's Messages API --------------------------------------------------------------------
@@ -501,7 +636,8 @@ def test_responses_items_become_chat_messages():
             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "19 C"}]},
         ],
     }  # fmt: skip
-    chat = responses_api.to_chat(raw, responses_api.parse_request(raw), [])
+    chat, origins = responses_api.to_chat(raw, responses_api.parse_request(raw), [])
+    assert origins.messages == ["instructions", "input.0", "input.1", "input.2", "input.6", "input.7"]
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "system", "content": "Use tools."},
@@ -528,8 +664,9 @@ def test_a_stored_response_continues_with_only_the_new_items():
                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]}]  # fmt: skip
     raw = {"input": [{"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},  # echoed back
                      {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}  # fmt: skip
-    chat = responses_api.to_chat(raw, responses_api.parse_request(raw), history)
+    chat, origins = responses_api.to_chat(raw, responses_api.parse_request(raw), history)
     assert chat["messages"] == [*history, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert origins.messages == ["previous_response_id", "previous_response_id", "input.1"]
 
 
 @pytest.mark.unit
@@ -579,7 +716,7 @@ def test_messages_blocks_become_chat_messages():
                                           "is_error": True}, {"type": "text", "text": "Try again?"}]},
         ],
     }  # fmt: skip
-    chat = messages_api.to_chat(raw, messages_api.parse_request(raw))
+    chat, origins = messages_api.to_chat(raw, messages_api.parse_request(raw))
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Rome?"},
@@ -594,6 +731,7 @@ def test_messages_blocks_become_chat_messages():
     assert chat["stop"] == ["END"] and chat["max_tokens"] == 7 and chat["server_tools"] == ["calculator"]
     assert chat["metadata"] == {"session_id": "s-1"}
     assert explicit_session_id({}, chat) == "s-1"
+    assert origins.messages == ["system", "messages.0", "messages.1", "messages.2.content.0", "messages.2"]
 
 
 @pytest.mark.unit

@@ -110,8 +110,8 @@ def test_a_deployment_file_sets_pool_sizes_and_parallelism():
 @pytest.mark.parametrize("policy, rule", [("dynaserve", "p95"), ("ampd", "p95"), ("dynaserve", "mean")])
 def test_a_policy_that_sizes_steps_hands_every_engine_its_target(monkeypatch, policy, rule):
     """Step sizing where the simulator judged the plan with it (rounds.policies.step_target):
-    the target reaches vLLM engines (ampd's scheduler) and GPU-free ones alike; elsewhere
-    vLLM keeps its own scheduler."""
+    the target reaches vLLM engines (ampd's scheduler) and GPU-free ones alike at start (the
+    gateways assign it too); elsewhere they start with none."""
     plan = DeploymentFile(
         model="llama-3.1-70b", policy=policy, itl_rule=rule,
         prefill=PhaseDeployment(gpu="H20", tp=2, replicas=1, profile="llama-3.1-70b_h20_tp2"),
@@ -124,8 +124,7 @@ def test_a_policy_that_sizes_steps_hands_every_engine_its_target(monkeypatch, po
     for name in ("prefill", "decode", "pool", "prefill-cpu", "decode-cpu", "pool-cpu"):
         monkeypatch.setenv("AMPD_STEP_TARGET_MS", planned[name]["environment"]["AMPD_STEP_TARGET_MS"])
         given = parse_ampd(planned[name]["command"]).params["step_target_ms"]
-        sim_default = 0.0 if name.endswith("-cpu") else None  # vLLM: its own scheduler unless a target is given
-        assert given == (pytest.approx(expected, abs=1e-3) if expected else sim_default), name
+        assert given == (pytest.approx(expected, abs=1e-3) if expected else 0.0), name  # 0: none until assigned
 
 
 def test_an_elastic_deployment_file_starts_one_pool_and_hands_the_gateway_its_plan():

@@ -155,11 +155,11 @@ def test_prefix_hits_are_counted_and_skip_compute():
 def test_a_cache_salt_shares_blocks_only_between_requests_with_that_salt():
     s = Scheduler(PROFILE, SchedulerConfig(num_blocks=256, block_size=16))
     shared = tokens(64)
-    s.add_request(make_request("a", shared + tokens(10, start=7000), out=2, salt=salt_hash("tenant-a")))
+    s.add_request(make_request("a", shared + tokens(10, start=7000), out=2, cache_salt="tenant-a"))
     run(s)
     hits = {}
     for rid, salt in (("other", "tenant-b"), ("unsalted", None), ("same", "tenant-a")):
-        request = make_request(rid, shared + tokens(20, start=8000), out=2, salt=salt_hash(salt))
+        request = make_request(rid, shared + tokens(20, start=8000), out=2, cache_salt=salt)
         s.add_request(request)
         s.schedule(10.0)
         hits[rid] = request.num_cached_tokens
@@ -183,7 +183,7 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
 def test_lru_evicts_a_requests_tail_before_its_prefix():
     kv = KVCache(num_blocks=4, block_size=2)
     blocks = kv.allocate(3)
-    kv.cache_full_blocks(blocks, [11, 12, 13])
+    kv.cache_full_blocks(blocks, [11, 12, 13], 0, 3, tokens(6), None)
     kv.free(blocks)
     assert kv.free_queue() == [3, blocks[2], blocks[1], blocks[0]]
     kv.allocate(2)  # the never-used block, then the request's last block

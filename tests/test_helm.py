@@ -47,6 +47,8 @@ KUBE_VERSIONS = ("1.29.0", "1.33.0")  # the schemas every object must pass (kube
 POD_IP = "10.1.2.3"  # what the downward API gives a pod, for $(POD_IP) in commands
 SUITE_REDIS = "redis://127.0.0.1:6379/13"  # the suite's own database (tests/conftest.py)
 WORKLOADS = ("Deployment", "StatefulSet")
+KEYS_DIR = "/etc/ampd/keys"  # where the gateway pods mount the API keys Secret
+KEYS_FILE = f"{KEYS_DIR}/api-keys"
 
 SPLIT = DeploymentFile(
     model="llama-3.1-70b",
@@ -373,22 +375,34 @@ def test_a_split_plan_renders_its_pools_policy_and_slos():
         ctx = parse_ampd(expanded(pod_spec(workload)["containers"][0]))
         assert ctx.params["model"] == "meta-llama/Llama-3.1-70B-Instruct"
         assert ctx.params["served_model_name"] == "llama-3.1-70b"
-    # API keys: from a Secret, never in the pod spec; space-separated as AMPD_API_KEYS splits them.
-    key_ref = env_of(containers(objects)["ampd-gateway"])["AMPD_API_KEYS"]["secretKeyRef"]
-    secret = objects[("Secret", key_ref["name"])]
-    assert secret["stringData"][key_ref["key"]].split() == ["k-one", "sha256:" + "a" * 64]
-    assert "k-one" not in json.dumps(objects[("Deployment", "ampd-gateway")])
+    # API keys: a Secret, never in the pod spec, mounted whole (a subPath mount would never see
+    # an update) as the file the gateway re-reads, one key a line.
+    gateway = objects[("Deployment", "ampd-gateway")]
+    assert parse_ampd(expanded(containers(objects)["ampd-gateway"])).params["api_keys_file"] == Path(KEYS_FILE)
+    assert {"name": "api-keys", "mountPath": KEYS_DIR, "readOnly": True} in pod_spec(gateway)["containers"][0][
+        "volumeMounts"
+    ]
+    (volume,) = [v for v in pod_spec(gateway)["volumes"] if v["name"] == "api-keys"]
+    secret = objects[("Secret", volume["secret"]["secretName"])]
+    assert secret["stringData"]["api-keys"].splitlines() == ["k-one", "sha256:" + "a" * 64]
+    assert "k-one" not in json.dumps(gateway)
 
 
 @pytest.mark.unit
 def test_operator_settings_reach_vllm_and_the_gateway():
     extra = ["--gpu-memory-utilization", "0.9", "--max-model-len=32768"]
     vllm = {"extraArgs": extra, "hfTokenSecret": "hf-token", "hfCache": {"existingClaim": "hf-cache"}}
-    values = {"engines": {"vllm": vllm}, "gateway": {"extraArgs": ["--max-tool-rounds=4"], "existingSecret": "keys"}}
-    objects = render(values)
+    names = ["llama-3.1-8b", "llama"]
+    gateway_values = {"extraArgs": ["--max-tool-rounds=4"], "existingSecret": "keys", "servedModelNames": names}
+    objects = render({"engines": {"vllm": vllm}, "gateway": gateway_values})
     gateway = containers(objects)["ampd-gateway"]
     assert parse_ampd(expanded(gateway)).params["max_tool_rounds"] == 4
-    assert env_of(gateway)["AMPD_API_KEYS"] == {"secretKeyRef": {"name": "keys", "key": "api-keys"}}
+    assert parse_ampd(expanded(gateway)).params["served_model_name"] == names
+    assert not parse_ampd(expanded(containers(render())["ampd-gateway"])).params["served_model_name"]  # none by default
+    (volume,) = [v for v in pod_spec(objects[("Deployment", "ampd-gateway")])["volumes"] if v["name"] == "api-keys"]
+    assert volume["secret"] == {"secretName": "keys"}
+    assert parse_ampd(expanded(gateway)).params["api_keys_file"] == Path(KEYS_FILE)
+    assert "--api-keys-file" not in " ".join(containers(render())["ampd-gateway"]["command"])  # no keys: open
     for workload in engines(objects).values():
         (container,) = pod_spec(workload)["containers"]
         assert parse_ampd(expanded(container)).args == extra  # after `--`: vLLM's, unchanged
@@ -437,7 +451,8 @@ def test_gpu_free_engines_external_redis_and_gpu_node_selection():
 
 def test_a_plan_that_sizes_steps_starts_every_engine_with_its_target():
     """dynaserve under the P95 rule: ampd's scheduler in vLLM, and the GPU-free engines alike,
-    keep to the plan's step target; the default plan leaves vLLM its own scheduler."""
+    start with the plan's step target (the gateways assign it too); the default plan starts
+    them with none."""
     sized = SPLIT.model_copy(update={"policy": "dynaserve", "itl_rule": "p95"})
     assert sized.step_target_ms > 0
     assert sized.helm_values()["engines"]["stepTargetMs"] == pytest.approx(sized.step_target_ms, abs=1e-3)
@@ -450,7 +465,7 @@ def test_a_plan_that_sizes_steps_starts_every_engine_with_its_target():
                                                                                           abs=1e-3)  # fmt: skip
     for workload in engines(render(SPLIT.helm_values())).values():
         (container,) = pod_spec(workload)["containers"]
-        assert parse_ampd(expanded(container)).params["step_target_ms"] is None
+        assert parse_ampd(expanded(container)).params["step_target_ms"] == 0  # none until a gateway assigns one
 
 
 @pytest.mark.unit
@@ -540,6 +555,10 @@ def test_the_rendered_pods_serve_together(tmp_path: Path):
     profiles.mkdir()
     for file, text in objects[("ConfigMap", "ampd-profiles")]["data"].items():
         (profiles / file).write_text(text)
+    keys = tmp_path / "keys"  # the Secret as the gateway pods mount it
+    keys.mkdir()
+    for file, text in objects[("Secret", "ampd-api-keys")]["stringData"].items():
+        (keys / file).write_text(text)
 
     def run(workload: str, replica: int) -> tuple[subprocess.Popen, str | None]:
         container = containers(objects)[workload]
@@ -555,7 +574,7 @@ def test_the_rendered_pods_serve_together(tmp_path: Path):
             if arg == "--port=8000":
                 port = free_port()
                 arg, url = f"--port={port}", f"http://127.0.0.1:{port}"
-            argv.append(arg.replace(HELM_PROFILE_DIR, str(profiles)))
+            argv.append(arg.replace(HELM_PROFILE_DIR, str(profiles)).replace(KEYS_DIR, str(keys)))
         assert argv[0] == "ampd"
         log = (tmp_path / f"{workload}-{replica}.log").open("ab")
         process = subprocess.Popen(

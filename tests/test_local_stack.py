@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from ampd.local_redis import NoRedis, ensure_redis, free_port
+from ampd.ports import port_taken
 from gateway.config import GatewayConfig
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from perfmodel.slo import derived_slo
@@ -85,6 +86,41 @@ def test_up_starts_redis_workers_and_the_gateway(tmp_path):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(stack["redis"], socket_connect_timeout=1).ping()
+
+
+def test_a_second_up_fails_before_it_claims_anything(tmp_path):
+    """A port the stack needs is held (here by a process the test started), or a stack
+    already runs from the directory: `ampd up` says so - the port and the process holding
+    it - starts nothing, and leaves the running stack's stack.json and logs as they were."""
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "healthz").write_text("ok")  # what a running stack's gateway answers
+    held = free_port()
+    holder = subprocess.Popen([sys.executable, "-m", "http.server", str(held), "--bind", "127.0.0.1"], cwd=served,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not port_taken(held):
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder did not listen"
+            time.sleep(0.05)
+        state = tmp_path / ".ampd"
+        state.mkdir()
+        files = {"stack.json": json.dumps({"gateway": f"http://127.0.0.1:{held}"}), "gateway.log": "running\n"}
+        for name, text in files.items():
+            (state / name).write_text(text)
+        for gateway_port, said in [
+            (held, f"port {held} (gateway) is in use by pid {holder.pid}: {sys.executable} -m http.server {held}"),
+            (free_port(), f"a stack already runs from this directory (gateway http://127.0.0.1:{held}"),
+        ]:
+            up = start_up(tmp_path, "--gateway-port", str(gateway_port), "--prefill-port", str(free_port()),
+                          "--decode-port", str(free_port()))  # fmt: skip
+            output = up.communicate(timeout=120)[0].decode()
+            assert up.returncode == 1 and said in output, output
+            assert "Try:" not in output and "service" not in output, output
+            assert {p.name: p.read_text() for p in state.iterdir()} == files
+    finally:
+        holder.terminate()
+        holder.wait(timeout=10)
 
 
 def test_up_runs_the_pools_a_deployment_file_names(tmp_path):

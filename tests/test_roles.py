@@ -12,6 +12,9 @@ import uuid
 import httpx
 import redis
 
+from gateway.config import GatewayConfig
+from gateway.engines.step_targets import wanted_ms
+from surface.registry import WorkerInfo
 from tests.engines import Engine, start_gateway, start_sim_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
 from tests.test_gateway_resilience import cleanup
@@ -27,9 +30,10 @@ def ask(url: str, session_id: str, content: str, max_tokens: int = 8) -> httpx.R
 
 
 def ampd(*args: str) -> subprocess.CompletedProcess:
-    wide = {**os.environ, "COLUMNS": "240"}  # one table row per line
+    """The CLI piped, as a script reads it (no COLUMNS: its tables must not be cut to 80 columns)."""
+    piped = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     return subprocess.run([sys.executable, "-m", "ampd.cli", *args], capture_output=True, text=True, timeout=60,
-                          env=wide)  # fmt: skip
+                          env=piped)  # fmt: skip
 
 
 def worker_id(engine: Engine) -> str:
@@ -56,7 +60,9 @@ def test_an_engine_moves_to_prefill_and_its_sessions_reach_their_kv_there(tmp_pa
         moving = next(e for e in engines if worker_id(e) == home)
         staying = next(e for e in engines if e is not moving)
         listed = ampd("workers", *redis_options)
-        assert listed.returncode == 0 and home in listed.stdout and "as registered" in listed.stdout
+        assert listed.returncode == 0 and "as registered" in listed.stdout
+        row = next(line for line in listed.stdout.splitlines() if home in line)  # the whole row on one line
+        assert "as registered" in row and "http://127.0.0.1:" in row and MODEL in row, listed.stdout
 
         done = ampd("workers", "set", home, "prefill", *redis_options)
         assert done.returncode == 0 and f"{home}: prefill (P)" in done.stdout, done.stdout + done.stderr
@@ -94,6 +100,52 @@ def test_an_engine_moves_to_prefill_and_its_sessions_reach_their_kv_there(tmp_pa
         for e in engines:
             stop(e)
         cleanup(prefix)
+
+
+def test_a_gateway_that_sizes_steps_hands_each_engine_its_target_and_keeps_it(tmp_path):
+    """``dynaserve`` under the P95 rule: every engine is kept to the target its SLO gives,
+    through the registry and without a restart; a role move keeps it, an operator's other
+    target is put back, and a gateway under the mean rule assigns none."""
+    prefix = f"roles-{uuid.uuid4().hex[:8]}"
+    registry = ("--role", "both", "--redis-url", REDIS_URL, "--redis-prefix", prefix, "--speed", "20")
+    engines = [start_sim_worker(tmp_path, *registry) for _ in range(2)]
+    store = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    redis_options = ("--redis-url", REDIS_URL, "--redis-prefix", prefix)
+    mean_rule = start_gateway(tmp_path, REDIS_URL, prefix, "--policy", "dynaserve")
+    gateway = None
+    try:
+        ask(mean_rule.url, "s0", "hello")
+        assert all(target_s(e) == 0.0 for e in engines)
+        assert not any(store.hexists(f"{prefix}:role:{worker_id(e)}", "step_target_ms") for e in engines)
+        mean_rule.stop()
+
+        gateway = start_gateway(tmp_path, REDIS_URL, prefix, "--policy", "dynaserve", "--itl-slo-metric", "p95")
+        config = GatewayConfig(policy="dynaserve", itl_slo_metric="p95")
+        info = WorkerInfo.from_redis(store.hgetall(f"{prefix}:worker:{worker_id(engines[0])}"))
+        wanted = wanted_ms(config, info)
+        assert wanted > 0
+        for e in engines:
+            until(lambda e=e: target_s(e) == wanted / 1000, what="the engine to take the gateway's target")
+        assert ask(gateway.url, "s1", HISTORY).status_code == 200
+
+        moved = worker_id(engines[0])
+        assert ampd("workers", "set", moved, "prefill", *redis_options).returncode == 0
+        assert ampd("workers", "step-target", moved, "5", *redis_options).returncode == 0  # wrote 5.0
+        held = lambda: float(store.hget(f"{prefix}:role:{moved}", "step_target_ms"))  # noqa: E731
+        until(lambda: held() == wanted, what="the gateway to put its target back")
+        assert store.hget(f"{prefix}:role:{moved}", "role") == "prefill"
+        until(lambda: target_s(engines[0]) == wanted / 1000, what="the engine to keep the gateway's target")
+    finally:
+        for child in (mean_rule, gateway):
+            if child is not None:
+                child.stop()
+        for e in engines:
+            stop(e)
+        cleanup(prefix)
+
+
+def target_s(engine: Engine) -> float:
+    return engine.metrics()["ampd:step_target_seconds"]
 
 
 def test_the_elastic_controller_moves_an_engine_under_prefill_pressure(tmp_path):

@@ -38,7 +38,7 @@ def gateway(tmp_path_factory):
     prefix = f"trace-{uuid.uuid4().hex[:8]}"
     registry = ("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--speed", "20")
     workers = [start_sim_worker(tmp, "--role", role, *registry) for role in ("prefill", "decode")]
-    config = GatewayConfig(redis_url=REDIS_URL, key_prefix=prefix, policy="disagg")
+    config = GatewayConfig(redis_url=REDIS_URL, key_prefix=prefix, policy="disagg", access_log=str(tmp / "access.log"))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -31,16 +31,23 @@ import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
 
 from ampd.local_redis import free_port
 from ampd.processes import spawn
+from gateway.engines.kv_index import KVIndex, cached_tokens, request_hashes
+from gateway.engines.kv_subscriber import KVSubscriber
 from gateway.engines.model_tokenizer import ModelTokenizer
+from gateway.metrics import Family
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from rounds.engine.step_budget import MIN_PREFILL_TOKENS, step_token_budget
+from surface.kv_events import BlockHasher
 from surface.registry import WorkerInfo, live_workers, tokenizer_key
 from tests import conversations
 from tests import test_engine_protocol as protocol
-from tests.engines import METRICS_TIMEOUT_S, Engine, start_gateway
+from tests import test_kv_events as kv
+from tests.engines import METRICS_TIMEOUT_S, Engine, start_gateway, start_sim_worker, stop
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,6 +190,20 @@ def set_roles(prefix: str, roles: dict[str, str], timeout_s: float = 120) -> Non
 
 
 PULLS, FIRSTS = "vllm:nixl_xfer_time_seconds_count", "vllm:time_to_first_token_seconds_count"
+
+
+@contextlib.contextmanager
+def weighted_pair(tmp: Path, prefix: str, names: tuple[str, str], vllm_args: tuple[str, ...]) -> Iterator[list[Engine]]:
+    """Two `kv_both` engines of the tiny Llama with its own seeded weights (a greedy answer
+    depends on every token it attends to), registered, their first hand-off made."""
+    if not Path(VLLM_PYTHON).exists():
+        pytest.skip(f"vLLM's CPU build is not installed at {VLLM_PYTHON} (`make test` installs it)")
+    model_dir = tmp / "model"
+    subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.tiny_model", str(model_dir), "--weights"], cwd=ROOT, check=True)
+    start = [lambda name=name: start_vllm_worker(tmp, model_dir, name, prefix, vllm_args=vllm_args) for name in names]
+    with running(prefix, tmp, *start) as engines:
+        first_handoff(*engines)
+        yield engines
 
 
 def first_handoff(prefill: Engine, decode: Engine, attempts: int = 6) -> None:
@@ -565,6 +586,107 @@ def set_step_target(prefix: str, worker_id: str, target_ms: float, log: Path) ->
         time.sleep(0.2)
 
 
+def test_vllm_publishes_kv_events_whose_hashes_ampd_and_the_gpu_free_engine_compute(vllm, tmp_path):
+    """vLLM's BlockStored events for a prompt carry the hashes surface.kv_events computes
+    from its token ids; a replay returns the batch again; and a GPU-free engine with vLLM's
+    block size publishes the same hashes for the same token ids."""
+    _, decode, prefix = vllm
+    info = registered(prefix)[decode.url]
+    assert info.kv_events and info.kv_events_replay and info.kv_hash_algo == "sha256", info
+    hasher, size = BlockHasher(info.kv_hash_seed), decode.block_size
+    sub, _ = kv.subscriber(info.kv_events, kv.poke(decode.url, decode.model, decode.block_size))
+    rng = random.Random(uuid.uuid4().int)
+    text = " ".join(
+        rng.choice(["alpha", "beta", "gamma", "delta", "kv", "zmq"]) + str(rng.randint(0, 999)) for _ in range(120)
+    )
+    ids = httpx.post(f"{decode.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=60).json()["tokens"]
+    want = hasher.external(ids, size)
+    assert want, f"a prompt of {len(ids)} tokens fills no block of {size}"
+
+    def published(engine: Engine, sub) -> list[tuple[int, object]]:
+        body = {"model": engine.model, "prompt": ids, "max_tokens": 1}
+        assert httpx.post(f"{engine.url}/v1/completions", json=body, timeout=120).status_code == 200
+        return kv.received_until(sub, lambda b: set(want) <= {h for e in kv.stored(b) for h in e.block_hashes}, "store")
+
+    batches = published(decode, sub)
+    sub.close(linger=0)
+    ours = [e for e in kv.stored(batches) if set(e.block_hashes) <= set(want)]
+    assert [h for e in ours for h in e.block_hashes] == want
+    assert ours[0].parent_block_hash is None and ours[0].token_ids[:size] == ids[:size]
+    seq, batch = next((s, b) for s, b in batches if ours[0] in b.events)
+    assert (seq, batch) in kv.replayed(info.kv_events_replay, seq)
+
+    events_port = free_port()
+    sim = start_sim_worker(tmp_path, "--block-size", str(size), "--kv-events-port", str(events_port))
+    try:
+        sim_sub, _ = kv.subscriber(f"tcp://127.0.0.1:{events_port}", kv.poke(sim.url, sim.model, size))
+        theirs = [e for e in kv.stored(published(sim, sim_sub)) if set(e.block_hashes) <= set(want)]
+        assert [h for e in theirs for h in e.block_hashes] == want
+        sim_sub.close(linger=0)
+    finally:
+        stop(sim)
+
+
+def test_the_kv_index_built_from_vllms_events_predicts_its_prefix_cache_hits(vllm):
+    """The gateway's index (gateway.engines.kv_index), fed by its subscriber from vLLM's own
+    events, predicts the prompt tokens vLLM takes from its prefix cache for the next
+    request: the vllm:prefix_cache_hits delta, for a prompt that extends an earlier one, one
+    that shares only its head, and one it never saw."""
+    _, decode, prefix = vllm
+    info = registered(prefix)[decode.url]
+    size = decode.block_size
+    rng = random.Random(uuid.uuid4().int)
+
+    def prompt(words: int) -> list[int]:
+        text = " ".join(rng.choice(["alpha", "beta", "kv", "zmq"]) + str(rng.randint(0, 999)) for _ in range(words))
+        return httpx.post(f"{decode.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=60).json()["tokens"]
+
+    def complete(ids: list[int], salt: str | None = None) -> None:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "cache_salt": salt}
+        assert httpx.post(f"{decode.url}/v1/completions", json=body, timeout=120).status_code == 200
+
+    first = prompt(120)
+    extended, head, fresh = first + prompt(40), first[: 3 * size + 5] + prompt(30), prompt(60)
+
+    async def predicted_and_seen() -> list[tuple[int, int]]:
+        index = KVIndex()
+        registry = CollectorRegistry()
+        dropped = Family(PromCounter("dropped", "", ["reason"], registry=registry))
+        subscriber = KVSubscriber(index, PromCounter("malformed", "", registry=registry), dropped)
+        subscriber.follow([info])
+
+        async def synced() -> None:  # a probe block of its own, stored and seen: every event before it is in
+            salt, probe = uuid.uuid4().hex, [7] * (size + 1)
+            await asyncio.to_thread(complete, probe, salt)
+            chain, deadline = request_hashes(BlockHasher(info.kv_hash_seed), probe, size, salt), time.monotonic() + 60
+            while index.cached_blocks(info.worker_id, chain) != 1:
+                assert time.monotonic() < deadline, "vLLM's events did not reach the index"
+                await asyncio.sleep(0.05)
+
+        out = []
+        try:
+            await synced()
+            await asyncio.to_thread(complete, first)
+            for ids in (extended, head, fresh):
+                await synced()
+                hashing = subscriber.hashing([info.worker_id])
+                want = cached_tokens(index, hashing, ids, None)[info.worker_id]
+                before = await asyncio.to_thread(decode.metrics)
+                await asyncio.to_thread(complete, ids)
+                queried = before.get("vllm:prefix_cache_queries_total", 0) + len(ids)
+                after = await asyncio.to_thread(
+                    decode.metrics_once, lambda m, q=queried: m.get("vllm:prefix_cache_queries_total", 0) >= q
+                )
+                out.append((want, int(after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"])))
+        finally:
+            await subscriber.close()
+        return out
+
+    seen = asyncio.run(predicted_and_seen())
+    assert [w for w, _ in seen] == [h for _, h in seen], seen
+    assert seen[0][0] >= len(first) // size * size - size and seen[1][0] == 3 * size and seen[2][0] == 0, seen
+
+
 def test_sigterm_drains_the_decode_worker(vllm, gateways):
     """Last in the module: it stops the decode engine. A stream in flight finishes; new
     sessions find no decode worker meanwhile; the entry leaves the registry; exit 0."""
@@ -591,3 +713,6 @@ def test_sigterm_drains_the_decode_worker(vllm, gateways):
     assert usage and usage[-1]["completion_tokens"] == 24
     assert decode.child.process.wait(timeout=120) == 0
     assert decode.url not in registered(prefix)
+
+
+# -- KV events ------------------------------------------------------------------------------

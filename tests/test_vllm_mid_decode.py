@@ -29,17 +29,15 @@ blocks in the wrong order says something else - so the check can tell right KV f
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import ROOT, VLLM_PYTHON, VLLM_TIMEOUT, first_handoff, running, start_vllm_worker
+from tests.test_vllm import VLLM_TIMEOUT, weighted_pair
 
 PULLS = "vllm:nixl_xfer_time_seconds_count"
 pytestmark = VLLM_TIMEOUT
@@ -50,16 +48,9 @@ AFTER = 12  # tokens beta says after alpha's
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Iterator[tuple[Engine, Engine]]:
     """(alpha's engine, beta's engine): both `kv_both`, the tiny Llama with its own weights."""
-    if not Path(VLLM_PYTHON).exists():
-        pytest.skip(f"vLLM's CPU build is not installed at {VLLM_PYTHON} (`make test` installs it)")
-    tmp = tmp_path_factory.mktemp("vllm-mid-decode")
-    model_dir = tmp / "model"
-    subprocess.run([VLLM_PYTHON, "-m", "workers.vllm.tiny_model", str(model_dir), "--weights"], cwd=ROOT, check=True)
     prefix = f"vllm-mid-{uuid.uuid4().hex[:8]}"
-    start = [lambda name=name: start_vllm_worker(tmp, model_dir, name, prefix, vllm_args=VLLM_ARGS)
-             for name in ("alpha", "beta")]  # fmt: skip
-    with running(prefix, tmp, *start) as (alpha, beta):
-        first_handoff(alpha, beta)
+    tmp = tmp_path_factory.mktemp("vllm-mid-decode")
+    with weighted_pair(tmp, prefix, ("alpha", "beta"), VLLM_ARGS) as (alpha, beta):
         yield alpha, beta
 
 

@@ -11,6 +11,7 @@ middleware (:class:`HotPath`); every other request goes through them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -23,15 +24,18 @@ from typing import Any
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.access_log import AccessLog, open_access_log, per_process
 from gateway.apis import chat, messages, responses, service
 from gateway.apis.chat import CHAT_PATH
 from gateway.apis.messages import MESSAGES_PATH
 from gateway.apis.relay import Relay
-from gateway.apis.schema import APIError, ChatRequest
+from gateway.apis.schema import APIError, ChatRequest, validation_error
 from gateway.assemble import assemble
 from gateway.config import GatewayConfig
 from gateway.metrics import MULTIPROCESS_DIR, GatewayMetrics
@@ -41,6 +45,12 @@ from surface.parent_death import end_with_parent
 CONFIG_ENV = "AMPD_GATEWAY_CONFIG"  # a gateway of several processes: each one's configuration (JSON)
 OTLP_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # OpenTelemetry's own variable
 HANDLED = (APIError, aioredis.RedisError)  # the failures answered in the API's shape; others are a 500
+
+OPEN_WARNING = (
+    "open mode: no API key is configured (--api-key, --api-keys-file), so any caller may use "
+    "the gateway and every caller sees every session; sessions are not tenant-scoped"
+)
+log = logging.getLogger(__name__)
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -69,12 +79,17 @@ class HotPath:
         await response(scope, receive, send)
 
 
-def create_app(config: GatewayConfig) -> HotPath:
+def create_app(config: GatewayConfig) -> ASGIApp:
     gateway = assemble(config)
+    access = open_access_log(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        if gateway.keys.open:
+            log.warning(OPEN_WARNING)
+        if gateway.keys.file is not None:  # SIGHUP: re-read it now, not at the next poll
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.keys.reload, True)
         # What exists now (modules, the app, its routes, the pools) lives as long as the
         # process: frozen out of the collector's sight, a full collection walks only what
         # requests made since. Unfrozen, each one stalled a loaded replica's event loop
@@ -84,6 +99,8 @@ def create_app(config: GatewayConfig) -> HotPath:
         yield
         await gateway.stop()
         GatewayMetrics.process_exits()
+        if access is not None:
+            access.stop()
 
     app = FastAPI(title="ampd gateway", lifespan=lifespan)
     app.state.relay = relay = Relay(gateway, {MESSAGES_PATH: messages.error_body})
@@ -91,9 +108,34 @@ def create_app(config: GatewayConfig) -> HotPath:
     app.openapi = lambda: _document(app)  # type: ignore[method-assign]
     for handled in HANDLED:
         app.add_exception_handler(handled, relay.error)
+
+    async def routing_error(request: Request, exc: Exception) -> JSONResponse:
+        response = await relay.error(request, routing_api_error(request, exc))
+        response.headers.update(getattr(exc, "headers", None) or {})  # a 405's Allow
+        return response
+
+    app.add_exception_handler(HTTPException, routing_error)
+    app.add_exception_handler(RequestValidationError, routing_error)
     for router in (chat.router, responses.router, messages.router, service.router):
         app.include_router(router)
-    return HotPath(app, CHAT_PATH, chat.chat_completions)
+    hot = HotPath(app, CHAT_PATH, chat.chat_completions)
+    return hot if access is None else AccessLog(hot)
+
+
+def routing_api_error(request: Request, exc: Exception) -> APIError:
+    """What FastAPI's routing refused (an unknown path, a method the path does not take, a
+    bad query parameter) as an error of the API the path belongs to, not FastAPI's
+    ``{"detail": ...}``."""
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc)
+    assert isinstance(exc, HTTPException)
+    asked = f"{request.method} {request.url.path}"
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        return APIError(405, f"Method not allowed ({asked}); this path takes {allowed}", code="method_not_allowed")
+    if exc.status_code == 404:
+        return APIError(404, f"Invalid URL ({asked})", code="unknown_url")
+    return APIError(exc.status_code, str(exc.detail))
 
 
 def prepare_process(config: GatewayConfig, otlp_endpoint: str | None) -> None:
@@ -125,12 +167,14 @@ def serve(
                     log_level=log_level, access_log=False)  # fmt: skip
 
 
-def app_from_environment() -> HotPath:
+def app_from_environment() -> ASGIApp:
     """The app of one of several gateway processes sharing a port (``ampd gateway
     --processes``, uvicorn's workers): its configuration comes from the parent in
     ``AMPD_GATEWAY_CONFIG``, without a replica id - each process is a replica of its own,
-    as replicas on different hosts are (they share their state in Redis)."""
+    as replicas on different hosts are (they share their state in Redis). Each writes an
+    access log of its own (gateway.access_log.per_process)."""
     config = GatewayConfig.model_validate_json(os.environ[CONFIG_ENV])
+    config = config.model_copy(update={"access_log": per_process(config.access_log)})
     # A process of several ends with its parent, so a gateway stopped hard leaves no replica
     # serving that nobody can stop: uvicorn's parent waits for its workers, and a worker slow
     # to shut down once got its parent killed by the caller's deadline and stayed behind.

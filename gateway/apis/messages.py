@@ -27,7 +27,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.apis.relay import joined, relay, translated, upstream_api_error
-from gateway.apis.schema import APIError, validation_error
+from gateway.apis.schema import APIError, Origins, validation_error
 from gateway.engines.upstream import UpstreamError
 
 MESSAGES_PATH = "/v1/messages"
@@ -43,6 +43,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
@@ -102,14 +103,18 @@ def new_message_id() -> str:
 # -- request: Messages -> chat ----------------------------------------------------------------
 
 
-def to_chat(raw: Mapping[str, Any], request: MessagesRequest) -> dict[str, Any]:
-    """The chat-completions body for a Messages request."""
+def to_chat(raw: Mapping[str, Any], request: MessagesRequest) -> tuple[dict[str, Any], Origins]:
+    """The chat-completions body for a Messages request, and where its messages came from."""
     messages: list[dict[str, Any]] = []
+    paths: list[str] = []
     if request.system:
         system = request.system if isinstance(request.system, str) else _texts(request.system, "system")
         messages.append({"role": "system", "content": system})
+        paths.append("system")
     for i, message in enumerate(request.messages):
-        messages += _turn(message.model_dump(), f"messages.{i}")
+        turn, turn_paths = _turn(message.model_dump(), f"messages.{i}")
+        messages += turn
+        paths += turn_paths
     body = {k: v for k, v in raw.items() if k not in MESSAGES_ONLY}
     body["messages"] = messages
     if request.tools:
@@ -124,7 +129,10 @@ def to_chat(raw: Mapping[str, Any], request: MessagesRequest) -> dict[str, Any]:
     session = session_hint((request.metadata or {}).get("user_id"))
     if session:
         body["metadata"] = {"session_id": session}
-    return body
+    origins = Origins(paths, "a tool_result block must answer a tool_use block of the assistant message before it",
+                      "tool_use_id {id} answers no tool_use block of the assistant message before it",
+                      {"stop": "stop_sequences"})  # fmt: skip
+    return body, origins
 
 
 def session_hint(user_id: Any) -> str | None:
@@ -142,15 +150,18 @@ def session_hint(user_id: Any) -> str | None:
     return session if marker and head and session else user_id
 
 
-def _turn(message: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+def _turn(message: Mapping[str, Any], where: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One turn as chat messages (its tool results first, each a ``tool`` message), and
+    where each came from: the turn, or its tool_result block."""
     role, content = message.get("role"), message.get("content")
     if role not in ("user", "assistant"):
         raise APIError(400, f"{where}.role: must be 'user' or 'assistant'", param="messages")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return [{"role": role, "content": content}], [where]
     if not isinstance(content, list):
         raise APIError(400, f"{where}.content: a string or a list of content blocks", param="messages")
     results: list[dict[str, Any]] = []
+    paths: list[str] = []
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -170,6 +181,7 @@ def _turn(message: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
             if not block.get("tool_use_id"):
                 raise APIError(400, f"{at}: a tool_result block needs the tool_use_id it answers", param="messages")
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result(block, at)})
+            paths.append(at)
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the engine's reasoning is not replayed to it
         else:
@@ -184,7 +196,7 @@ def _turn(message: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
     elif parts:
         texts_only = all(p["type"] == "text" for p in parts)
         out.append({"role": "user", "content": "".join(p["text"] for p in parts) if texts_only else parts})
-    return out
+    return out, paths + [where] * (len(out) - len(paths))
 
 
 def _texts(blocks: Any, where: str) -> str:
@@ -380,7 +392,8 @@ async def messages(request: Request) -> Response:
     r = relay(request)
     scope, raw = await r.begin(request, api_key_header=True)
     asked = parse_request(raw)
-    started = await r.start(to_chat(raw, asked), request, scope)
+    chat, origins = to_chat(raw, asked)
+    started = await r.start(chat, request, scope, origins=origins)
     message_id, client = new_message_id(), started.client
     if asked.stream:
         prompt = started.first_round.plan.task.l_total
@@ -403,7 +416,10 @@ async def count_tokens(request: Request) -> dict[str, int]:
     r = relay(request)
     _, raw = await r.begin(request, api_key_header=True)  # counted, not run: no session
     asked = parse_request(raw, CountTokensRequest)
+    chat, origins = to_chat(raw, asked)
     try:
-        return {"input_tokens": await r.gateway.count(to_chat(raw, asked))}
+        return {"input_tokens": await r.gateway.count(chat)}
     except UpstreamError as exc:
-        raise upstream_api_error(exc) from exc
+        raise origins.error(upstream_api_error(exc)) from exc
+    except APIError as exc:
+        raise origins.error(exc) from exc

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.apis.schema import APIError
+from gateway.apis.schema import APIError, Origins
 from gateway.coordinator import Gateway
 from gateway.engines.upstream import Reply, UpstreamError
 from gateway.exchange import Exchange
@@ -41,6 +41,7 @@ class Started:
     first: bytes
     events: AsyncIterator[bytes]
     headers: dict[str, str]  # X-Session-Id, X-AMPD-Route, X-AMPD-Decode-Worker
+    round: int  # the first round's number in its session (the session's rounds so far, plus one)
 
     @property
     def model(self) -> str:
@@ -60,9 +61,25 @@ class Relay:
         scope = self.gateway.authenticate(request.headers.get("authorization"), api_key)
         return scope, await read_json(request, self.gateway.config.max_body_bytes)
 
-    async def start(self, chat: dict[str, Any], request: Request, scope: str, session_id: str | None = None) -> Started:
+    async def start(
+        self,
+        chat: dict[str, Any],
+        request: Request,
+        scope: str,
+        session_id: str | None = None,
+        origins: Origins | None = None,
+    ) -> Started:
         """Open the exchange for a chat body and wait for its first event: errors up to
-        the first token still get a status code."""
+        the first token still get a status code, naming the fields of the API asked
+        (``origins``: where a translated body's parts came from)."""
+        try:
+            return await self._start(chat, request, scope, session_id)
+        except APIError as exc:
+            if origins is None:
+                raise
+            raise origins.error(exc) from exc
+
+    async def _start(self, chat: dict[str, Any], request: Request, scope: str, session_id: str | None) -> Started:
         try:
             ex, first_round = await self.gateway.open(chat, dict(request.headers), scope, session_id)
         except UpstreamError as exc:  # counting the prompt failed: no worker to blame the client for
@@ -77,7 +94,9 @@ class Relay:
         headers = {"X-Session-Id": _header_value(ex.session.session_id),
                    "X-AMPD-Route": f"{route.kind}:{route.worker_id}",
                    "X-AMPD-Decode-Worker": first_round.decode.info.worker_id}  # fmt: skip
-        return Started(ex, first_round, client, first, events, headers)
+        started = Started(ex, first_round, client, first, events, headers, ex.session.state.rounds + 1)
+        request.state.exchange = started  # for the access line (gateway.access_log)
+        return started
 
     async def finish(self, started: Started) -> None:
         """Run a non-streaming exchange to its end (``started.client`` holds the reply)."""
@@ -199,14 +218,16 @@ async def translated(
 ) -> AsyncIterator[bytes]:
     """A chat stream re-spoken in another API's events, after its opening ones: ``feed``
     turns each chat chunk into that API's events, ``closing`` ends them once the exchange
-    is over (after ``remember``, so what it stores is there when the client sees the end)."""
+    is over; ``remember`` runs after ``closing`` (and may store what it made) but before
+    the client gets its events, so what it stores is there when the client sees the end."""
     async for chunk in _chat_chunks(started.first, started.events):
         out = feed(chunk)
         if out:
             yield b"".join(out)
+    last = b"".join(closing())
     if remember is not None:
         await remember()
-    yield b"".join(closing())
+    yield last
 
 
 def upstream_api_error(exc: UpstreamError) -> APIError:

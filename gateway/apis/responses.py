@@ -18,7 +18,10 @@ on ``/v1/chat/completions``.
 true by default) is kept in Redis - the conversation as chat messages including the
 reply, the session it ran in - for the session's TTL, under the caller's key scope
 (:class:`ResponseStore`). A request naming it continues that conversation in that same
-session. Everything here but :class:`ResponseStore` and the route is pure: dicts in, dicts out.
+session; ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``
+read and forget the stored response. Errors about the chat body name the Responses
+fields they came from (gateway.apis.schema.Origins). Everything here but
+:class:`ResponseStore` and the routes is pure: dicts in, dicts out.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.apis.relay import joined, relay, translated
-from gateway.apis.schema import APIError, validation_error
+from gateway.apis.schema import APIError, Origins, validation_error
 from gateway.state.outage import REDIS_DOWN
 from gateway.state.sessions import canonical_message
 
@@ -82,17 +85,26 @@ def new_response_id() -> str:
 # -- request: Responses -> chat ---------------------------------------------------------------
 
 
-def to_chat(raw: Mapping[str, Any], request: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat-completions body for a Responses request; ``history`` is the stored
-    conversation of ``previous_response_id`` (chat messages, the reply included)."""
+RESPONSES_ORIGINS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+
+
+def to_chat(
+    raw: Mapping[str, Any], request: ResponsesRequest, history: list[dict[str, Any]]
+) -> tuple[dict[str, Any], Origins]:
+    """The chat-completions body for a Responses request, and where its messages came
+    from; ``history`` is the stored conversation of ``previous_response_id`` (chat
+    messages, the reply included)."""
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
     messages += history
-    new = input_messages(request.input)
+    paths = ["instructions"] * bool(request.instructions) + ["previous_response_id"] * len(history)
+    new, new_paths = input_messages(request.input)
     if not new:
         raise APIError(400, "input: no message to answer", param="input")
-    messages += _merged(history, new)
+    skipped = _echoed(history, new)
+    messages += new[skipped:]
+    paths += new_paths[skipped:]
     body = {k: v for k, v in raw.items() if k not in RESPONSES_ONLY}
     body["messages"] = messages
     if request.tools:
@@ -109,23 +121,25 @@ def to_chat(raw: Mapping[str, Any], request: ResponsesRequest, history: list[dic
     metadata = dict(request.metadata or {})
     if conversation_id and not metadata.get("session_id"):  # the Responses API's own conversation: a session
         body["metadata"] = metadata | {"session_id": str(conversation_id)}
-    return body
+    origins = Origins(paths, "a function_call_output must follow the function_call it answers",
+                      "call_id {id} answers no function_call before it", RESPONSES_ORIGINS)  # fmt: skip
+    return body, origins
 
 
-def _merged(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``new`` after ``history``: the stored reply, when the client echoes it back (its
-    function calls, say), is not repeated."""
-    if history and new and canonical_message(history[-1]) == canonical_message(new[0]):
-        return new[1:]
-    return new
+def _echoed(history: list[dict[str, Any]], new: list[dict[str, Any]]) -> int:
+    """How many of ``new``'s messages repeat ``history``: the stored reply, when the client
+    echoes it back (its function calls, say), is not repeated."""
+    return int(bool(history and new) and canonical_message(history[-1]) == canonical_message(new[0]))
 
 
-def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input items as chat messages. Consecutive ``function_call`` items and
-    the assistant message before them are one assistant turn, as chat completions has it."""
+def input_messages(input_: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Responses input items as chat messages, and each one's item (``input.3``).
+    Consecutive ``function_call`` items and the assistant message before them are one
+    assistant turn, as chat completions has it."""
     if isinstance(input_, str):
-        return [{"role": "user", "content": input_}]
+        return [{"role": "user", "content": input_}], ["input"]
     messages: list[dict[str, Any]] = []
+    paths: list[str] = []
     for i, item in enumerate(input_):
         kind = item.get("type", "message")
         where = f"input.{i}"
@@ -136,8 +150,8 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -147,7 +161,8 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue  # the engine's reasoning is not replayed to it
         else:
             raise APIError(400, f"{where}.type: input items of type {kind!r} are not supported", param="input")
-    return messages
+        paths.append(where)
+    return messages, paths
 
 
 def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -310,6 +325,7 @@ class ResponseEvents:
         self._open: dict[str, Any] | None = None  # the output item being streamed
         self._text = ""
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its item
+        self.final: dict[str, Any] = {}  # the response as its last event has it, once finished
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -400,9 +416,9 @@ class ResponseEvents:
         out = self._close()
         for item in self.output:  # any call left open by interleaved deltas
             item["status"] = "completed"
-        response = self._response("completed", usage, finish_reason)
-        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        return [*out, self._event(kind, response=response)]
+        self.final = self._response("completed", usage, finish_reason)
+        kind = "response.completed" if self.final["status"] == "completed" else "response.incomplete"
+        return [*out, self._event(kind, response=self.final)]
 
     def fail(self, error: APIError) -> list[bytes]:
         response = self._response("failed")
@@ -410,13 +426,45 @@ class ResponseEvents:
         return [self._event("response.failed", response=response)]
 
 
-# -- previous_response_id ---------------------------------------------------------------------
+# -- stored responses -------------------------------------------------------------------------
+
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input as ``GET /v1/responses/{id}/input_items`` lists it back: each
+    item with an id and a status, a message's text as a content part."""
+    items = [{"type": "message", "role": "user", "content": input_}] if isinstance(input_, str) else input_
+    return [_listed(item) for item in items]
+
+
+def _listed(item: Mapping[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    out = {**item, "type": kind}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    out.setdefault("id", f"{ITEM_PREFIXES.get(kind, 'item')}_{secrets.token_hex(16)}")
+    out.setdefault("status", "completed")
+    return out
+
+
+def page(items: list[dict[str, Any]], after: str | None, limit: int, order: Literal["asc", "desc"]) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI's cursor lists have it."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}  # fmt: skip
 
 
 class ResponseStore:
-    """Stored responses, for ``previous_response_id``: the conversation so far (chat
-    messages after the instructions, the reply included) and the session it ran in.
-    Keyed by the caller's scope, so another key's response id is not found."""
+    """Stored responses: for ``previous_response_id``, the conversation so far (chat
+    messages after the instructions, the reply included) and the session it ran in; for
+    ``GET``, the response object and its input items. Keyed by the caller's scope, so
+    another key's response id is not found."""
 
     def __init__(self, redis: aioredis.Redis, prefix: str, ttl_s: int) -> None:
         self.redis, self.p, self.ttl_s = redis, prefix, ttl_s
@@ -424,16 +472,29 @@ class ResponseStore:
     def _key(self, scope: str, response_id: str) -> str:
         return f"{self.p}:response:{scope}:{response_id}"
 
-    async def load(self, scope: str, response_id: str) -> dict[str, Any]:
+    async def load(self, scope: str, response_id: str) -> dict[str, Any] | None:
         raw = await self.redis.get(self._key(scope, response_id))
-        if raw is None:
-            raise APIError(404, f"Previous response with id '{response_id}' not found.", param="previous_response_id",
-                           code="previous_response_not_found")  # fmt: skip
-        return json.loads(raw)
+        return None if raw is None else json.loads(raw)
 
-    async def save(self, scope: str, response_id: str, session_id: str, messages: list[dict[str, Any]]) -> None:
-        record = {"session_id": session_id, "messages": messages, "created": time.time()}
+    async def save(
+        self,
+        scope: str,
+        response_id: str,
+        session_id: str,
+        messages: list[dict[str, Any]],
+        response: dict[str, Any],
+        items: list[dict[str, Any]],
+    ) -> None:
+        record = {"session_id": session_id, "messages": messages, "created": time.time(), "response": response,
+                  "input_items": items}  # fmt: skip
         await self.redis.set(self._key(scope, response_id), json.dumps(record), ex=self.ttl_s)
+
+    async def delete(self, scope: str, response_id: str) -> bool:
+        return bool(await self.redis.delete(self._key(scope, response_id)))
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
 
 
 router = APIRouter()
@@ -449,19 +510,24 @@ async def responses(request: Request) -> Response:
     history, session_id = [], None
     if asked.previous_response_id:
         stored = await store.load(scope, asked.previous_response_id)
+        if stored is None:
+            raise APIError(404, f"Previous response with id '{asked.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found")  # fmt: skip
         history, session_id = stored["messages"], stored["session_id"]
-    started = await r.start(to_chat(raw, asked, history), request, scope, session_id)
+    chat, origins = to_chat(raw, asked, history)
+    started = await r.start(chat, request, scope, session_id, origins)
     response_id, created = new_response_id(), int(time.time())
     client = started.client
 
-    async def remember() -> None:
-        """Store the conversation after the instructions, the reply included. Without Redis
-        the answer still stands; only its continuation by ``previous_response_id`` is lost."""
+    async def remember(response: dict[str, Any]) -> None:
+        """Store the response, and the conversation after the instructions with the reply.
+        Without Redis the answer still stands; only what needs it stored is lost."""
         if not asked.store:
             return
         messages = started.ex.client_messages[1 if asked.instructions else 0 :] + [client.message()]
         try:
-            await store.save(scope, response_id, started.ex.session.session_id, messages)
+            await store.save(scope, response_id, started.ex.session.session_id, messages, response,
+                             input_items(asked.input))  # fmt: skip
         except REDIS_DOWN as exc:
             r.gateway.health.failed("response", exc)
 
@@ -471,10 +537,50 @@ async def responses(request: Request) -> Response:
         def completed() -> list[bytes]:
             return events.finish(client.usage, client.finish_reason)
 
-        relayed = translated(started, events.feed, remember, completed)
+        relayed = translated(started, events.feed, lambda: remember(events.final), completed)
         return r.streaming(b"".join(events.start()), relayed, joined(events.fail), started)
     await r.finish(started)
-    await remember()
     body = response_object(response_id, asked, started.model, created, output_items(client.message()), "completed",
                            client.usage, client.finish_reason)  # fmt: skip
+    await remember(body)
     return r.ok(body, started)
+
+
+def _store(request: Request) -> tuple[ResponseStore, str]:
+    """The stored responses and the caller's scope in them."""
+    return request.app.state.responses, relay(request).gateway.authenticate(request.headers.get("authorization"))
+
+
+async def _stored(request: Request, response_id: str) -> dict[str, Any]:
+    store, scope = _store(request)
+    stored = await store.load(scope, response_id)
+    if stored is None or "response" not in stored:  # a record from before responses were kept whole
+        raise not_found(response_id)
+    return stored
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, request: Request) -> dict[str, Any]:
+    """A stored response, as it was answered."""
+    return (await _stored(request, response_id))["response"]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(response_id: str, request: Request) -> dict[str, Any]:
+    """Forget a stored response: neither ``GET`` nor ``previous_response_id`` finds it again."""
+    store, scope = _store(request)
+    if not await store.delete(scope, response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    """The input items of a stored response, newest first unless ``order=asc``."""
+    return page((await _stored(request, response_id))["input_items"], after, limit, order)

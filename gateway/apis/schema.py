@@ -7,6 +7,9 @@ and otherwise passed through to the engine untouched, so every field vLLM accept
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,6 +22,7 @@ class APIError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        405: "invalid_request_error",
         413: "invalid_request_error",
         429: "rate_limit_error",
         499: "client_closed_request",
@@ -85,6 +89,20 @@ class ChatRequest(_Open):
     cache_salt: str | None = Field(default=None, min_length=1, description="vLLM's prefix-cache salt")
 
 
+class ToolOrder(APIError):
+    """A tool result out of place: at chat message ``index``, answering no call before it
+    (``call_id`` None: no call at all). An API translated to chat words it in its own
+    fields (:class:`Origins`)."""
+
+    def __init__(self, index: int, call_id: str | None) -> None:
+        if call_id is None:
+            words = "a 'tool' message must follow an assistant message with 'tool_calls'"
+        else:
+            words = f"tool_call_id {call_id!r} answers no call of the assistant message before it"
+        super().__init__(400, f"messages.{index}: {words}", param="messages")
+        self.index, self.call_id = index, call_id
+
+
 def check_tool_messages(messages: list[Message]) -> None:
     """Each ``tool`` message answers a call of the assistant message before it (tool
     messages in between): a result with no call would reach the model out of context."""
@@ -94,19 +112,48 @@ def check_tool_messages(messages: list[Message]) -> None:
             calls = {c.id for c in message.tool_calls or []} if message.tool_calls else None
         elif message.role == "tool":
             if calls is None:
-                raise APIError(400, f"messages.{i}: a 'tool' message must follow an assistant message with "
-                               "'tool_calls'", param="messages")  # fmt: skip
+                raise ToolOrder(i, None)
             if message.tool_call_id and "" not in calls and message.tool_call_id not in calls:
-                raise APIError(400, f"messages.{i}: tool_call_id {message.tool_call_id!r} answers no call of the "
-                               "assistant message before it", param="messages")  # fmt: skip
+                raise ToolOrder(i, message.tool_call_id)
         else:
             calls = None
+
+
+@dataclass(frozen=True)
+class Origins:
+    """Where a translated chat body's parts came from in the caller's API (Responses,
+    Messages), so that an error about the chat body - the gateway's or the engine's -
+    names the caller's own fields: ``messages`` holds each chat message's path ("input.2"),
+    ``fields`` chat's field names as the caller's ("max_tokens" -> "max_output_tokens"),
+    ``orphan`` and ``unanswered`` (with ``{id}``) word a :class:`ToolOrder`."""
+
+    messages: list[str]
+    orphan: str
+    unanswered: str
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+    def error(self, exc: APIError) -> APIError:
+        if isinstance(exc, ToolOrder):
+            words = self.orphan if exc.call_id is None else self.unanswered.format(id=repr(exc.call_id))
+            return APIError(400, f"{self._path(exc.index)}: {words}", param=self._field("messages"))
+        message = re.sub(r"\bmessages\.(\d+)", lambda m: self._path(int(m[1])), exc.message)
+        for chat, theirs in self.fields.items():
+            message = re.sub(rf"\b{re.escape(chat)}\b", theirs, message)
+        param = self._field(exc.param) if exc.param else None
+        return APIError(exc.status, message, param, exc.code)
+
+    def _path(self, index: int) -> str:
+        return self.messages[index] if index < len(self.messages) else f"messages.{index}"
+
+    def _field(self, name: str) -> str:
+        return self.fields.get(name, name)
 
 
 def validation_error(exc: ValidationError | Any) -> APIError:
     errors = exc.errors() if hasattr(exc, "errors") else []
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in first.get("loc", ())]
+    loc = loc[1:] if loc[:1] in (["body"], ["query"], ["path"]) else loc  # where FastAPI found it
     where = ".".join(loc)
     return APIError(
         400, f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request", loc[0] if loc else None

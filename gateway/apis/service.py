@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.apis.relay import relay
 from gateway.apis.schema import APIError
+from gateway.engines.kv_index import cached_tokens
 from gateway.state.outage import REDIS_DOWN
 
 router = APIRouter()
@@ -27,7 +28,8 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     """Ready while a decode worker is known. Without Redis the replica still serves
     (gateway.state.outage), so it stays in rotation and says it is degraded. It names the
-    replica (the process, where several share the port) that answered."""
+    replica (the process, where several share the port) that answered, and whether
+    sessions are tenant-scoped (``"tenancy": "keys"``) or shared by every caller (``"open"``)."""
     gateway = relay(request).gateway
     problems = []
     try:
@@ -39,7 +41,7 @@ async def readyz(request: Request) -> JSONResponse:
         problems.append("no decode worker")
     status = "not ready" if not serving else "degraded" if problems else "ready"
     body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers),
-            "replica": gateway.config.replica_id}  # fmt: skip
+            "replica": gateway.config.replica_id, "tenancy": "open" if gateway.keys.open else "keys"}  # fmt: skip
     return JSONResponse(body, status_code=200 if serving else 503)
 
 
@@ -56,7 +58,8 @@ async def models(request: Request) -> dict[str, Any]:
     gateway = relay(request).gateway
     gateway.authenticate(request.headers.get("authorization"))
     created = int(time.time())
-    data = [{"id": m, "object": "model", "created": created, "owned_by": "ampd"} for m in gateway.pool.models()]
+    names = dict.fromkeys([*gateway.config.served_model_names, *gateway.pool.models()])  # the served names first
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "ampd"} for m in names]
     return {"object": "list", "data": data}
 
 
@@ -73,3 +76,21 @@ async def session_rounds(session_id: str, request: Request) -> dict[str, Any]:
         "id": session_id, "object": "session", "created": int(session.created),
         "decode_worker": session.state.decode_worker, "rounds": await gateway.sessions.rounds(scope, session_id),
     }  # fmt: skip
+
+
+@router.post("/v1/engines/kv-index")
+async def kv_index(request: Request) -> dict[str, Any]:
+    """What this replica's KV index (gateway.engines.kv_index) says each engine holds:
+    its blocks, its block size, and - for the body's ``token_ids`` (and ``cache_salt``) -
+    the prompt tokens it would take from its prefix cache. For operators and tests."""
+    gateway = relay(request).gateway
+    gateway.authenticate(request.headers.get("authorization"))
+    body = await request.json()
+    ids, salt = body.get("token_ids") or [], body.get("cache_salt")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise APIError(400, "token_ids must be a list of integers", param="token_ids")
+    views = gateway.kv.index.engines
+    cached = cached_tokens(gateway.kv.index, gateway.kv.hashing(views), ids, salt)
+    engines = {engine: {"blocks": len(view.blocks), "block_size": view.block_size, "cached_tokens": cached.get(engine)}
+               for engine, view in views.items()}  # fmt: skip
+    return {"object": "kv_index", "replica": gateway.config.replica_id, "engines": engines}

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from array import array
 from datetime import datetime
 from typing import Any
 
@@ -62,6 +63,7 @@ from gateway.remembered import Remembered
 CHECK_FIRST = 32  # counts of a model checked against its engine before sampling starts
 CHECK_EVERY = 256  # ... then one in this many
 MESSAGES_KEPT = 8192  # messages remembered as the template takes them, per content format
+PIECE_IDS_KEPT = 4096  # pieces whose token ids are remembered (a piece is mostly one message)
 _TEXT_PART_KEYS = {"type", "text"}
 _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips this line from system messages
 
@@ -91,8 +93,13 @@ class ModelTokenizer:
             for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
             if config.get(key) is not None
         }
-        self._split = _piece_splitter(json.loads(files["tokenizer"]))
+        spec = json.loads(files["tokenizer"])
+        self._split = _piece_splitter(spec)
         self._piece = Remembered(self._encoded)
+        # Ids are wanted for the prompt's prefix-cache blocks: kept as 4-byte arrays, fewer of them.
+        self._piece_ids = Remembered(self._encoded_ids, PIECE_IDS_KEPT)
+        self._added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
+        self.gives_ids = _gives_ids(spec)
         # A session's messages come back every round: each is made over once, in each format.
         # The table holds the messages themselves, so it is kept smaller than the pieces' counts.
         self._message = {fmt: Remembered(functools.partial(_message, openai_format=fmt), MESSAGES_KEPT)
@@ -103,6 +110,24 @@ class ModelTokenizer:
     def count(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
         """The prompt's tokens as the engine's ``/tokenize`` counts them, or None where this
         counter does not know what the engine makes of the request."""
+        text = self._render(messages, tools)
+        if text is None:
+            return None
+        self.counted += 1
+        return self.tokens(text)
+
+    def token_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int] | None:
+        """The prompt's token ids, as the engine prefills them: what its prefix-cache blocks
+        are hashed from (gateway.engines.kv_index). None where the count is not known, or
+        the files give counts but no ids (a vocabulary of the unknown token alone: the
+        GPU-free engine's, workers.sim.tokenizer)."""
+        if not self.gives_ids:
+            return None
+        text = self._render(messages, tools)
+        return None if text is None else self.ids(text)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        """The prompt's text as vLLM renders it, or None (see the module's docstring)."""
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
         if name not in self._compiled:
             return None
@@ -111,13 +136,11 @@ class ModelTokenizer:
         if not conversation or None in conversation or (tool_dicts is not None and None in tool_dicts):
             return None
         try:
-            text = self._compiled[name].render(
+            return self._compiled[name].render(
                 messages=conversation, tools=tool_dicts, documents=None, add_generation_prompt=True, **self.variables
             )
         except Exception:  # what a template raises is its own (raise_exception, a bad filter, ...)
             return None  # the engine then answers for it, in its own words
-        self.counted += 1
-        return self.tokens(text)
 
     def tokens(self, text: str) -> int:
         """``text``'s tokens, special tokens matched and none added."""
@@ -126,12 +149,31 @@ class ModelTokenizer:
         pieces = self._split.split(text)
         return sum(self._piece(piece) for piece in pieces if piece) + len(pieces) - 1
 
+    def ids(self, text: str) -> list[int]:
+        """``text``'s token ids, special tokens matched and none added: the pieces between
+        added tokens encoded once each and remembered, as for the count."""
+        if self._split is None:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        start = 0
+        for match in self._split.finditer(text):
+            if match.start() > start:
+                out.extend(self._piece_ids(text[start : match.start()]))
+            out.append(self._added[match.group()])
+            start = match.end()
+        if start < len(text):
+            out.extend(self._piece_ids(text[start:]))
+        return out
+
     def checking(self) -> bool:
         """Whether the count just made should also be asked of the engine."""
         return self.counted <= CHECK_FIRST or self.counted % CHECK_EVERY == 0
 
     def _encoded(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _encoded_ids(self, text: str) -> array[int]:
+        return array("I", self.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 # -- the request, as vLLM hands it to the template ------------------------------------------
@@ -291,6 +333,13 @@ def _piece_splitter(spec: dict[str, Any]) -> re.Pattern[str] | None:
         return None
     contents = sorted({t["content"] for t in added}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, contents)))
+
+
+def _gives_ids(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer's ids are the engine's: not where its vocabulary is one entry
+    (the unknown token), which counts pieces but names none of them."""
+    vocab = (spec.get("model") or {}).get("vocab")
+    return not (isinstance(vocab, dict | list) and len(vocab) <= 1)
 
 
 def _byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:

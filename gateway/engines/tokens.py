@@ -56,6 +56,15 @@ class ServedTokenizers:
             self._spawn(self._check(model, url, messages, tools, counted))
         return counted
 
+    def token_ids(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int] | None:
+        """The prompt's token ids where the model's files are loaded and give ids (for the
+        KV index's lookup, gateway.engines.kv_index); None otherwise. Loading is left to
+        ``count``, which every round calls first."""
+        tokenizer = self._models.get(model)
+        return None if tokenizer is None else tokenizer.token_ids(messages, tools)
+
     def _load_later(self, model: str) -> None:
         if model in self._distrusted or time.monotonic() - self._looked_at.get(model, -self.RETRY_S) < self.RETRY_S:
             return

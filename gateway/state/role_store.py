@@ -1,7 +1,7 @@
 """Engine roles in Redis, shared by every gateway replica (rounds.roles says what they mean).
 
 ``{p}:role:{w}`` is a hash (role, since, draining; and the step target an engine's
-scheduler keeps to, surface.registry.step_target_ms) per engine. The elastic controller's
+scheduler keeps to, gateway.engines.step_targets) per engine. The elastic controller's
 leader writes it when it moves an engine, an operator with ``ampd workers set``; every
 replica reads the roles with its pool refresh, so a move reaches all of them within a
 refresh interval and needs no restart of anything. An engine with no hash keeps the

@@ -8,6 +8,7 @@ from perfmodel.profile import Profile
 from perfmodel.slo import ALPHA, BETA, SLO, ItlRule
 from rounds.elastic import RolePlan
 from rounds.engine.scheduler import SchedulerConfig
+from rounds.placement import Placement
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class SimConfig:
     prefill: Pool | None
     slo: SLO
     policy: str = "ampd"
+    placement: Placement = "memory"  # where sessions bind and remote prefills go (rounds.placement)
     alpha: float = ALPHA
     beta: float = BETA
     window: int = 3

@@ -75,6 +75,7 @@ class EngineSide(SimulationState):
         step, start = worker.step, worker.step_start
         worker.step = None
         worker.busy_s += step.duration
+        worker.prefill_tokens += sum(n for _, n in step.prefills)
         ends = [start + b for b in step.boundaries] if step.boundaries else [self.now]
         for out in worker.scheduler.finish_step(step, self.now):
             state = self.rounds.get(out.request.request_id)

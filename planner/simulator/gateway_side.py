@@ -19,7 +19,7 @@ from dataclasses import replace
 from perfmodel.slo import Gaps
 from planner.simulator.state import RoundState, SimSession, SimulationState, SimWorker
 from rounds.binding import DecodeCandidate
-from rounds.core import ITL, TTFT_REMOTE, RoundResult, Signals, held_tokens
+from rounds.core import ITL, TTFT_REMOTE, Prompt, RoundResult, Signals, held_tokens
 from rounds.engine.request import RemotePrefill, Request
 from rounds.reordering import QueuedTask
 
@@ -37,22 +37,28 @@ class GatewaySide(SimulationState):
         spec = session.trace.rounds[session.next_round]
         session.tokens.extend(self._fresh_tokens(session, spec.input_tokens))
         l_total = len(session.tokens)
+        prompt = None
+        if self.config.placement != "memory":  # placement reads what every engine caches of the prompt
+            candidates = {w.worker_id: w.candidate for w in self.workers.values()}
+            prompt = Prompt(l_total, candidates, self._placement_signals(session, l_total))
         bound = self.core.bind(session.state, [
             DecodeCandidate(w.worker_id, w.kv_snapshot, w.profile.kv_capacity_tokens, self.arrivals.tokens[w.worker_id])
             for w in self.decoders
-        ], holders=self.workers)  # fmt: skip
+        ], holders=self.workers, prompt=prompt)  # fmt: skip
+        arriving = l_total - bound.state.l_hist if bound.moved else 0  # what it caches there already stays
         if bound.moved:
-            self.arrivals.expect(bound.state.decode_worker, l_total)
+            self.arrivals.expect(bound.state.decode_worker, arriving)
         session.state = state = bound.state
         decode = self.workers[state.decode_worker]
-        prefills, signals = [p.candidate for p in self.prefillers], self._signals(decode)
+        prefills = [p.candidate for p in self.prefillers]
+        signals = self._signals(decode) if prompt is None else prompt.signals
         candidate = replace(decode.candidate, colocates=True) if decode.assignment.colocates else decode.candidate
         plan = self.core.plan(state, f"t{next(self._ids)}", l_total, now, candidate, prefills, signals, self.config.slo)
         self.interval.arrived(plan.tokens, l_total)  # what the elastic controller forecasts from, as live
         decode.decoding += 1
         task = plan.task
         output_plan = self._fresh_tokens(session, spec.output_tokens)
-        round_state = RoundState(session, plan, output_plan, arriving=l_total if bound.moved else 0)
+        round_state = RoundState(session, plan, output_plan, arriving=arriving)
         worker = self.workers[plan.route.worker_id]
         if plan.route.kind == "remote":
             worker.remote_prefills += 1
@@ -72,6 +78,25 @@ class GatewaySide(SimulationState):
         means = {(ITL, decode.worker_id): mean(ITL, decode.worker_id, now)}
         means.update(((TTFT_REMOTE, p.worker_id), mean(TTFT_REMOTE, p.worker_id, now)) for p in self.prefillers)
         return Signals(costs, {k: v for k, v in means.items() if v is not None}, tokens)
+
+    def _placement_signals(self, session: SimSession, l_total: int) -> Signals:
+        """The signals of every worker, with what each one's prefix cache holds of the round's
+        prompt - exactly what an index fed by the engines' KV events would report."""
+        now, mean, block_size = self.now, self.stats.mean, self.config.scheduler.block_size
+        hashes = session.block_hashes(l_total, block_size)
+        workers = self.workers.values()
+        means = {(ITL, w.worker_id): mean(ITL, w.worker_id, now) for w in self.decoders}
+        means.update(((TTFT_REMOTE, p.worker_id), mean(TTFT_REMOTE, p.worker_id, now)) for p in self.prefillers)
+        return Signals(
+            {w.worker_id: w.queue.cost for w in workers},
+            {k: v for k, v in means.items() if v is not None},
+            {w.worker_id: w.queue.tokens for w in workers},
+            cached_tokens={
+                w.worker_id: len(w.scheduler.kv.find_cached_prefix(hashes, l_total)) * block_size for w in workers
+            },
+            waiting={w.worker_id: len(w.queue.tasks) for w in workers},
+            running={w.worker_id: w.decoding + w.remote_prefills for w in workers},
+        )
 
     def _fresh_tokens(self, session: SimSession, n: int) -> list[int]:
         """Token ids for ``n`` new tokens of ``session``. Only the session's very first token

@@ -24,7 +24,7 @@ from planner.simulator.elastic_control import ElasticControl
 from planner.simulator.engine_side import EngineSide
 from planner.simulator.gateway_side import GatewaySide
 from planner.simulator.report import SimReport, summarise
-from planner.simulator.state import ForecastInterval, SimSession, SimWorker
+from planner.simulator.state import ForecastInterval, SimSession, SimWorker, shared_prefix
 from planner.trace import TraceSession
 from rounds.binding import Arrivals
 from rounds.core import Candidate, RoundCore
@@ -44,7 +44,8 @@ class Simulation(GatewaySide, EngineSide, ElasticControl):
         self.config = config
         policy = POLICIES[config.policy]
         rng = random.Random(config.seed)
-        self.core = RoundCore(policy, config.alpha, config.beta, config.window, rng, config.itl_rule)
+        self.core = RoundCore(policy, config.alpha, config.beta, config.window, rng, config.itl_rule,
+                              config.placement)  # fmt: skip
         self.stats = WindowedMeans(config.stats_window_s)
         self.controller = None if policy.elastic is None else ElasticController(
             policy.elastic, config.slo, config.alpha, config.beta, config.role_plan
@@ -70,9 +71,10 @@ class Simulation(GatewaySide, EngineSide, ElasticControl):
         self.workers = {w.worker_id: w for w in engines}
         self._group()
         self.timeline = []
+        chains: dict[tuple[str, ...], int] = {}  # a shared prefix's segments so far -> its number
         self.moves = []
         self.interval = ForecastInterval()
-        self.sessions = [SimSession(s, i) for i, s in enumerate(sessions)]
+        self.sessions = [SimSession(s, i, shared_prefix(s, chains)) for i, s in enumerate(sessions)]
         self.records = []
         self.token_gaps = [] if keep_gaps else None
         self.rounds = {}  # by engine request id

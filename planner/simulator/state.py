@@ -55,6 +55,7 @@ class SimWorker:
     kv_snapshot: float = 0.0  # KV usage at the last scrape
     decoding: int = 0  # rounds of sessions bound here, in flight
     remote_prefills: int = 0  # other engines' prefills queued or running here
+    prefill_tokens: int = 0  # prompt tokens its steps computed (cache hits and pulled KV not counted)
 
     def busy_with(self) -> set[Role]:
         """The roles whose work it still has (rounds.roles: what a move leaves draining)."""
@@ -65,6 +66,10 @@ class SimWorker:
 class SimSession:
     trace: TraceSession
     index: int  # the session's number: its token ids are unique to it
+    # Its shared prefix (planner.trace.SharedPrefix) as (the token its segment ends at, the
+    # number of the segments up to it): blocks that end within one are the same in every
+    # session whose prefix starts with the same segments.
+    shared: tuple[tuple[int, int], ...] = ()
     next_round: int = 0
     state: SessionState | None = None  # the round core's view of it (rounds.core)
     tokens: list[int] = field(default_factory=list)  # the conversation so far, as the engine sees it
@@ -77,9 +82,30 @@ class SimSession:
         session's tokens are unique to it and never change once said, so that hash
         stands for (session, block position) and no two differ in anything else. Naming
         the pair directly gives the engine the same keys up to their values, so it hits
-        and evicts exactly as it would, without hashing every block of every round."""
+        and evicts exactly as it would, without hashing every block of every round. A
+        block within the shared prefix stands for (the prefix's segments up to the one
+        it ends in, position) instead - negative keys, apart from every session's - which
+        every session of that agent type (and tenant) shares."""
         first = (self.index + 1) << 32
-        return list(range(first, first + num_tokens // block_size))
+        count = num_tokens // block_size
+        keys: list[int] = []
+        segment = 0
+        for i in range(min(count, self.shared[-1][0] // block_size if self.shared else 0)):
+            last = (i + 1) * block_size - 1
+            while self.shared[segment][0] <= last:
+                segment += 1
+            keys.append(-((self.shared[segment][1] + 1) << 32) - i)
+        return keys + list(range(first + len(keys), first + count))
+
+
+def shared_prefix(session: TraceSession, chains: dict[tuple[str, ...], int]) -> tuple[tuple[int, int], ...]:
+    """``session``'s shared prefix as ``SimSession.shared``, numbering each new run of segment
+    keys in ``chains`` (kept across the run's sessions)."""
+    out, end, keys = [], 0, ()
+    for segment in session.prefix:
+        end, keys = end + segment.tokens, (*keys, segment.key)
+        out.append((end, chains.setdefault(keys, len(chains))))
+    return tuple(out)
 
 
 @dataclass

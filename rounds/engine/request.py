@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-
-from rounds.engine.kv_cache import extend_block_hashes
 
 
 class RequestStatus(enum.Enum):
@@ -60,7 +59,7 @@ class Request:
     arrival_time: float
     do_remote_decode: bool = False
     remote_prefill: RemotePrefill | None = None
-    salt: int = 0  # the prefix cache's salt (kv_cache.salt_hash of the request's cache_salt)
+    cache_salt: str | None = None  # vLLM's: enters the hash of the prompt's first block
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -69,7 +68,7 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[Hashable] = field(default_factory=list)  # one per full block (the KV cache's hasher)
     num_cached_blocks: int = 0  # leading blocks already published in the prefix cache
 
     def __post_init__(self) -> None:
@@ -99,9 +98,6 @@ class Request:
     @property
     def remaining_output_tokens(self) -> int:
         return min(self.max_tokens, len(self.output_plan)) - len(self.output_token_ids)
-
-    def update_block_hashes(self, block_size: int) -> None:
-        extend_block_hashes(self.block_hashes, self.token_ids, block_size, self.salt)
 
     def append_planned(self, n: int) -> list[int]:
         """Sample the next ``n`` tokens of the plan (the caller checks there are that many)."""

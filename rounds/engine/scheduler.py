@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from perfmodel.profile import Profile
-from rounds.engine.kv_cache import KVCache
+from rounds.engine.kv_cache import BlockHasher, KVCache, extend_block_hashes
 from rounds.engine.request import Request, RequestStatus
 from rounds.engine.step_budget import prefill_within_target
 
@@ -122,11 +122,19 @@ class _Hold:
 
 
 class Scheduler:
-    def __init__(self, profile: Profile, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        config: SchedulerConfig = SchedulerConfig(),
+        hasher: BlockHasher = extend_block_hashes,
+        record_kv_events: bool = False,
+    ) -> None:
+        """``hasher`` and ``record_kv_events`` go to the KV cache (rounds.engine.kv_cache):
+        the GPU-free engine hashes blocks as vLLM does and publishes what the cache records."""
         num_blocks = config.num_blocks or profile.kv_capacity_tokens // config.block_size
         self.profile = profile
         self.config = config
-        self.kv = KVCache(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCache(num_blocks, config.block_size, config.enable_prefix_caching, hasher, record_kv_events)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -134,6 +142,11 @@ class Scheduler:
         self._next_expiry = float("inf")  # no hold expires before this: schedule() scans only then
         self.num_preemptions = 0
         self.num_expired_holds = 0
+
+    def keep_steps_to(self, target_s: float) -> None:
+        """A step target assigned while the engine runs (surface.registry.follow_step_target):
+        the next step is sized to it, as vLLM's engine takes one under ampd's scheduler."""
+        self.config = replace(self.config, step_target_s=target_s)
 
     # -- intake ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -404,7 +417,7 @@ class Scheduler:
         """
         first_admission = self._first_admission(request)
         if first_admission:
-            request.update_block_hashes(self.kv.block_size)
+            self.kv.hash_blocks(request.block_hashes, request.token_ids, request.cache_salt)
             hits = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
         else:  # a failed remote load keeps its blocks and resumes its prefill
             hits = []
@@ -492,9 +505,11 @@ class Scheduler:
         full = request.num_computed_tokens // self.kv.block_size
         if full <= request.num_cached_blocks:
             return
-        request.update_block_hashes(self.kv.block_size)
+        self.kv.hash_blocks(request.block_hashes, request.token_ids, request.cache_salt)
         start = request.num_cached_blocks
-        self.kv.cache_full_blocks(request.block_ids[start:full], request.block_hashes[start:full])
+        self.kv.cache_full_blocks(
+            request.block_ids, request.block_hashes, start, full, request.token_ids, request.cache_salt
+        )
         request.num_cached_blocks = full
 
     def _finish(self, request: Request, status: RequestStatus, tokens: list[int], now: float) -> RequestOutput:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from perfmodel.profile import Profile, t_kv
 from rounds.engine.request import Request
 from rounds.engine.scheduler import KVLoad, RequestOutput, Scheduler
+from workers.sim.kv_events import KVEventPublisher
 from workers.sim.kv_transfer import KVSideChannel, TransferError
 from workers.sim.metrics import EngineMetrics
 
@@ -60,6 +61,7 @@ class AsyncEngine:
         kv_load_failure_policy: str = "fail",
         max_lag_s: float = 0.010,
         node: str = "",
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be positive")
@@ -70,6 +72,7 @@ class AsyncEngine:
         self.kv_load_failure_policy = kv_load_failure_policy
         self.max_lag_s = max_lag_s
         self.node = node  # the server it runs on: a pull from one of its own is priced over its interconnect
+        self.kv_events = kv_events  # where the KV cache's events go after each step, if anywhere
         self.streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -138,6 +141,13 @@ class AsyncEngine:
             self.metrics.step_lateness.observe(max(0.0, loop.time() - deadline))
             free_at = deadline
             self._deliver(self.scheduler.finish_step(step, time.monotonic()), step.num_tokens)
+            await self.publish_kv_events()
+
+    async def publish_kv_events(self) -> None:
+        """What the KV cache recorded since the last call, as one batch (vLLM publishes a
+        batch per scheduler step, vllm/v1/core/sched/scheduler.py)."""
+        if self.kv_events is not None:
+            await self.kv_events.publish(self.scheduler.kv.take_events())
 
     def _deliver(self, outputs: list[RequestOutput], step_tokens: int) -> None:
         now = time.monotonic()

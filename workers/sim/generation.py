@@ -13,7 +13,6 @@ import secrets
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from rounds.engine.kv_cache import salt_hash
 from rounds.engine.request import Request as EngineRequest
 from workers.sim import protocol as p
 from workers.sim.engine import RequestStream, StreamEvent
@@ -109,7 +108,7 @@ def _submit(
         arrival_time=asyncio.get_running_loop().time(),
         do_remote_decode=prefill_only,
         remote_prefill=remote,
-        salt=salt_hash(body.cache_salt),
+        cache_salt=body.cache_salt,
     )
     return w.engine.submit(request)
 

@@ -64,6 +64,12 @@ class _SchedulerState(Collector):
             ),
             (GaugeMetricFamily, wire.KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", s.kv.usage),
             (
+                GaugeMetricFamily,
+                "ampd:step_target_seconds",
+                "The step time this engine keeps to while requests decode; 0 = off.",
+                s.config.step_target_s,
+            ),
+            (
                 CounterMetricFamily,
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",

@@ -1,4 +1,5 @@
-"""The operational routes: ``GET /health`` (and ``/ping``), ``/version``, ``/v1/models``, ``/metrics``."""
+"""The operational routes: ``GET /health`` (and ``/ping``), ``/version``, ``/v1/models``, ``/metrics``,
+and ``POST /reset_prefix_cache`` (vLLM's, served there with VLLM_SERVER_DEV_MODE)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,12 @@ async def models(w: WorkerDep) -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(w: WorkerDep) -> Response:
     return Response(generate_latest(w.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(w: WorkerDep) -> dict[str, bool]:
+    """Drop every cached block's hash; refused (``success: false``) while any block is in use,
+    as vLLM's (vllm/entrypoints/serve/dev/cache/api_router.py). Its event goes out at once."""
+    success = w.scheduler.kv.reset_prefix_cache()
+    await w.engine.publish_kv_events()
+    return {"success": success}

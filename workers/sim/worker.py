@@ -16,10 +16,12 @@ from perfmodel.profile import Profile
 from rounds.engine.request import RemotePrefill
 from rounds.engine.request import Request as EngineRequest
 from rounds.engine.scheduler import Scheduler, SchedulerConfig
+from surface.kv_events import DEFAULT_SEED, BlockHasher
 from surface.registry import Role, node_name
 from surface.wire import PULL_FIELDS, SPLIT_AT, pull_params
 from workers.sim import protocol as p
 from workers.sim.engine import AsyncEngine, RequestStream
+from workers.sim.kv_events import KVEventPublisher
 from workers.sim.kv_transfer import KVSideChannel
 from workers.sim.metrics import EngineMetrics
 from workers.sim.responder import Responder
@@ -47,6 +49,11 @@ class WorkerConfig:
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     redis_url: str | None = None  # register in this Redis and heartbeat (surface.registry)
     redis_prefix: str = "ampd"
+    # KV events as vLLM publishes them (workers.sim.kv_events): on, at these ports (0: any free)
+    kv_events: bool = True
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    kv_hash_seed: str = DEFAULT_SEED  # vLLM's NONE_HASH seed (surface.kv_events.hash_seed)
 
     @property
     def url(self) -> str:
@@ -66,7 +73,9 @@ class SimWorker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.scheduler = Scheduler(config.profile, config.scheduler)
+        # Blocks hashed as vLLM hashes them, so that what it publishes is what vLLM would.
+        hasher = BlockHasher(config.kv_hash_seed)
+        self.scheduler = Scheduler(config.profile, config.scheduler, hasher, record_kv_events=config.kv_events)
         capacity = self.scheduler.kv.num_blocks * self.scheduler.kv.block_size
         self.max_model_len = config.max_model_len or config.profile.model.max_model_len
         if capacity < self.max_model_len:
@@ -78,6 +87,11 @@ class SimWorker:
         self.responder = Responder(self.tokenizer, config.default_output_tokens)
         self.metrics = EngineMetrics(self.scheduler, config.model_name, self.max_model_len)
         self.side_channel = KVSideChannel()
+        self.kv_events = (
+            KVEventPublisher(config.advertise_host, config.kv_events_port, config.kv_events_replay_port)
+            if config.kv_events
+            else None
+        )
         self.engine = AsyncEngine(
             self.scheduler,
             self.metrics,
@@ -85,6 +99,7 @@ class SimWorker:
             speed=config.speed,
             kv_load_failure_policy=config.kv_load_failure_policy,
             node=config.node_name,
+            kv_events=self.kv_events,
         )
 
     def check_model(self, model: str | None) -> None:

@@ -1,6 +1,6 @@
 """The folder ampd's scheduler inside vLLM reads (workers.vllm.launch.StepSizing), written by
 the supervisor: the engine's profile, its step target, and links to the ampd packages the
-scheduler imports (so vLLM's environment gains those three, not ampd's dependencies)."""
+scheduler imports (so vLLM's environment gains those, not ampd's dependencies)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 
 import perfmodel
 import rounds
+import surface
 import workers
 from perfmodel.profile import Profile
 from workers.vllm.launch import StepSizing
 
-PACKAGES = (perfmodel, rounds, workers)  # what workers.vllm.step_sizing imports, with itself
+# What workers.vllm.step_sizing and workers.vllm.connector import, with themselves.
+PACKAGES = (perfmodel, rounds, surface, workers)
 
 
 def prepare(sizing: StepSizing, profile: Profile, target_ms: float) -> None:

@@ -141,7 +141,8 @@ def step_sized_scheduler(*args, **kwargs) -> Scheduler:
 
 
 def check() -> list[str]:
-    """What of vLLM's scheduler this module leans on and the installed vLLM lacks (empty: all there)."""
+    """What of vLLM's scheduler this module, and ampd's KV connector (workers.vllm.connector),
+    lean on and the installed vLLM lacks (empty: all there)."""
     import vllm
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
@@ -163,11 +164,13 @@ def check() -> list[str]:
                 if f"self.{name}" not in request]  # fmt: skip
     if not issubclass(AsyncScheduler, Scheduler):
         missing.append("AsyncScheduler is no longer a Scheduler")
-    return missing
+    from workers.vllm import connector  # ampd's KV connector travels in the same folder of packages
+
+    return missing + [f"connector: {problem}" for problem in connector.check()]
 
 
 if __name__ == "__main__":
     problems = check()
     for problem in problems:
-        print(f"ampd's vLLM scheduler: {problem}", file=sys.stderr)
+        print(f"ampd's vLLM scheduler and connector: {problem}", file=sys.stderr)
     sys.exit(1 if problems else 0)

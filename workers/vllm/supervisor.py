@@ -21,20 +21,19 @@ import signal
 import time
 
 import httpx
-import redis.asyncio as aioredis
 
 from perfmodel.profile import Profile
+from surface.kv_events import hash_seed
 from surface.parent_death import end_with_parent
-from surface.registry import Registration, WorkerInfo, heartbeat_client, node_name, step_target_ms
+from surface.registry import Registration, WorkerInfo, follow_step_target, heartbeat_client, node_name
 from surface.wire import cache_config, parse_load
 from workers.vllm import step_files, tokenizer_files
-from workers.vllm.launch import StepSizing, VllmLaunch, server_argv, server_env
+from workers.vllm.launch import VllmLaunch, server_argv, server_env
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 DRAIN_REPORT_S = 10.0  # how often a drain that waits says on what
-STEP_TARGET_POLL_S = 1.0  # how soon an assigned step target reaches the scheduler
 
 
 async def supervise(
@@ -73,7 +72,8 @@ async def supervise(
             registration = Registration(redis, prefix, info)
             tasks = [asyncio.create_task(registration.run())]
             if launch.step_sizing is not None:
-                following = _follow_step_target(redis, prefix, info.worker_id, launch.step_sizing, step_target_ms)
+                apply = functools.partial(step_files.set_target, launch.step_sizing)
+                following = follow_step_target(redis, prefix, info.worker_id, apply, step_target_ms)
                 tasks.append(asyncio.create_task(following))
             log.info("%s ready at %s (KV %d tokens)", info.worker_id, info.url, info.kv_capacity_tokens)
             exited, stopping = asyncio.create_task(engine.wait()), asyncio.create_task(stop.wait())
@@ -96,27 +96,6 @@ async def supervise(
             shutil.rmtree(launch.step_sizing.folder, ignore_errors=True)
 
 
-async def _follow_step_target(
-    redis: aioredis.Redis, prefix: str, worker_id: str, sizing: StepSizing, initial_ms: float
-) -> None:
-    """The step target assigned in the registry (surface.registry.step_target_ms, which `ampd
-    workers step-target` writes), handed to the scheduler inside vLLM without a restart. Until
-    one is assigned the engine keeps its ``--step-target-ms``."""
-    current = initial_ms
-    while True:
-        try:
-            async with asyncio.timeout(5 * STEP_TARGET_POLL_S):
-                assigned = await step_target_ms(redis, prefix, worker_id)
-        except (aioredis.RedisError, OSError) as exc:  # TimeoutError is an OSError
-            log.warning("reading the step target from Redis failed: %s", exc)
-            assigned = None
-        if assigned is not None and assigned != current:
-            step_files.set_target(sizing, assigned)
-            log.info("step target %.1f ms (was %.1f)", assigned, current)
-            current = assigned
-        await asyncio.sleep(STEP_TARGET_POLL_S)
-
-
 async def _wait_ready(
     engine: asyncio.subprocess.Process,
     http: httpx.AsyncClient,
@@ -134,9 +113,13 @@ async def _wait_ready(
                 if launch.model_name in models:
                     blocks = cache_config((await http.get("/metrics")).text)
                     capacity = blocks[0] * blocks[1] if blocks else profile.kv_capacity_tokens
+                    events, replay = launch.kv_events_endpoints
                     return WorkerInfo(
                         launch.worker_id, launch.role, launch.url, launch.model_name, profile, 1.0, capacity,
                         prefill_chunk=launch.prefill_chunk, node=node_name(launch.advertise_host),
+                        sized_steps=launch.step_sizing is not None, splits=launch.splits,
+                        kv_events=events, kv_events_replay=replay, kv_hash_algo=launch.kv_hash_algo,
+                        kv_hash_seed=hash_seed(server_env(launch, dict(os.environ))),
                     )  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), POLL_S)
