@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from gateway.apis.relay import relay
 from gateway.apis.schema import APIError
@@ -78,19 +79,24 @@ async def session_rounds(session_id: str, request: Request) -> dict[str, Any]:
     }  # fmt: skip
 
 
+class IndexQuery(BaseModel):
+    """A prompt as the index is asked about it: its token ids, and vLLM's cache salt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[StrictInt] = Field(default_factory=list, max_length=1_000_000)
+    cache_salt: StrictStr | None = None
+
+
 @router.post("/v1/engines/kv-index")
-async def kv_index(request: Request) -> dict[str, Any]:
+async def kv_index(request: Request, query: IndexQuery) -> dict[str, Any]:
     """What this replica's KV index (gateway.engines.kv_index) says each engine holds:
     its blocks, its block size, and - for the body's ``token_ids`` (and ``cache_salt``) -
     the prompt tokens it would take from its prefix cache. For operators and tests."""
     gateway = relay(request).gateway
     gateway.authenticate(request.headers.get("authorization"))
-    body = await request.json()
-    ids, salt = body.get("token_ids") or [], body.get("cache_salt")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise APIError(400, "token_ids must be a list of integers", param="token_ids")
     views = gateway.kv.index.engines
-    cached = cached_tokens(gateway.kv.index, gateway.kv.hashing(views), ids, salt)
+    cached = cached_tokens(gateway.kv.index, gateway.kv.hashing(views), query.token_ids, query.cache_salt)
     engines = {engine: {"blocks": len(view.blocks), "block_size": view.block_size, "cached_tokens": cached.get(engine)}
                for engine, view in views.items()}  # fmt: skip
     return {"object": "kv_index", "replica": gateway.config.replica_id, "engines": engines}
