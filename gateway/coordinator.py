@@ -101,7 +101,10 @@ class Gateway:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.scrape_interval_s)
-            await self._refresh()
+            try:
+                await self._refresh()
+            except Exception:  # the next refresh tries again; a dead loop would freeze the pool unseen
+                log.exception("pool refresh failed")
 
     async def _refresh(self) -> None:
         await self.pool.refresh()

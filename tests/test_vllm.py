@@ -409,11 +409,23 @@ def roles_applied(url: str, roles: dict[str, str]) -> Callable[[], bool]:
     return lambda: all(line in httpx.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S).text for line in lines)
 
 
-def until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def until(condition: Callable[[], bool], timeout_s: float, what: str, seen: Callable[[], str] | None = None) -> None:
+    """Wait for ``condition``; at the deadline fail saying what ``seen`` shows then."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}" + (f"; saw {seen()}" if seen else "")
         time.sleep(0.2)
+
+
+def listed_roles(url: str) -> Callable[[], str]:
+    """The engine roles the gateway at ``url`` lists now, for a failed wait to report."""
+
+    def seen() -> str:
+        lines = [line for line in httpx.get(f"{url}/metrics", timeout=METRICS_TIMEOUT_S).text.splitlines()
+                 if line.startswith("ampd_worker_role")]  # fmt: skip
+        return f"{lines} at {time.strftime('%H:%M:%S')}"
+
+    return seen
 
 
 def chat(gateway: str, session_id: str, messages: list[dict]) -> httpx.Response:
@@ -441,7 +453,9 @@ def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, ga
     # An engine whose scrape stalls past the gateway's grace is out of its pool until its
     # next good scrape - likely what gave this test's first round a 503 in a clean-clone
     # run, right after the test before stalled the decode engine in a failed handshake.
-    until(roles_applied(gateway, restored), 60, "the gateway to list both engines in their roles")
+    until(
+        roles_applied(gateway, restored), 60, "the gateway to list both engines in their roles", listed_roles(gateway)
+    )
     body = {"model": MODEL, "messages": messages, "max_tokens": 48, "ignore_eos": True, "seed": 1, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     try:
@@ -456,7 +470,7 @@ def test_engines_swap_roles_under_a_session_and_back_and_its_kv_follows(vllm, ga
         chunks = [json.loads(e) for e in seen[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == 48  # the round finished on its engine
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        until(roles_applied(gateway, swapped), 120, "the gateway to apply the swapped roles")
+        until(roles_applied(gateway, swapped), 120, "the gateway to apply the swapped roles", listed_roles(gateway))
 
         for k, (decoding, holder) in enumerate([(prefill, decode), (decode, prefill)]):
             if k == 1:  # and back
