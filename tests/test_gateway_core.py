@@ -473,12 +473,8 @@ def test_continues_detects_rewritten_history():
 
 def test_a_step_target_is_written_where_an_engine_follows_one_and_holds_another():
     from gateway.engines.step_targets import to_assign
-    from surface.registry import WorkerInfo
 
-    def engine(worker_id: str, sized: bool) -> WorkerInfo:
-        return WorkerInfo(worker_id, "both", f"http://{worker_id}", "m", D_PROFILE, sized_steps=sized)
-
-    workers = [engine("holds-it", True), engine("holds-other", True), engine("holds-none", True), engine("own", False)]
+    followers = ("holds-it", "holds-other", "holds-none")  # an engine that follows none is not asked about
     held = {"holds-it": 42.5, "holds-other": 10.0, "own": 10.0}
-    assert to_assign(workers, held, lambda info: 42.5) == {"holds-other": 42.5, "holds-none": 42.5}
-    assert to_assign(workers, held, lambda info: 0.0) == {}  # a policy that sizes no steps leaves them be
+    assert to_assign(dict.fromkeys(followers, 42.5), held) == {"holds-other": 42.5, "holds-none": 42.5}
+    assert to_assign(dict.fromkeys(followers, 0.0), held) == {}  # a policy that sizes no steps leaves them be

@@ -19,7 +19,7 @@ that sizes no steps assigns nothing and leaves an operator's ``ampd workers step
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
 
@@ -37,17 +37,10 @@ def wanted_ms(config: GatewayConfig, info: WorkerInfo) -> float:
     return step_target_ms(config.policy, config.slo(info.profile, info.speed), config.itl_slo_metric, config.beta)
 
 
-def to_assign(
-    workers: Iterable[WorkerInfo], held: Mapping[str, float], want: Callable[[WorkerInfo], float]
-) -> dict[str, float]:
-    """The targets to write: each engine that follows one and holds another than wanted.
-    Pure: no I/O."""
-    out = {}
-    for info in workers:
-        target = want(info) if info.sized_steps else 0.0
-        if target > 0 and held.get(info.worker_id) != target:
-            out[info.worker_id] = target
-    return out
+def to_assign(wanted: Mapping[str, float], held: Mapping[str, float]) -> dict[str, float]:
+    """The targets to write: ``wanted`` holds, per engine that follows one, the target the
+    policy wants (0: none); each that holds another gets it. Pure: no I/O."""
+    return {worker_id: target for worker_id, target in wanted.items() if target > 0 and held.get(worker_id) != target}
 
 
 class StepTargets:
@@ -56,13 +49,14 @@ class StepTargets:
 
     async def assign(self, workers: Iterable[WorkerInfo]) -> None:
         """Write what :func:`to_assign` says; with Redis away, the engines keep theirs."""
-        following = [info for info in workers if info.sized_steps and wanted_ms(self.config, info) > 0]
+        wanted = {info.worker_id: wanted_ms(self.config, info) for info in workers if info.sized_steps}
+        following = [w for w, target in wanted.items() if target > 0]
         if not following:
             return
         prefix = self.config.key_prefix
         try:
-            held = await step_targets_ms(self.redis, prefix, [info.worker_id for info in following])
-            for worker_id, target in to_assign(following, held, lambda i: wanted_ms(self.config, i)).items():
+            held = await step_targets_ms(self.redis, prefix, following)
+            for worker_id, target in to_assign(wanted, held).items():
                 await set_step_target_ms(self.redis, prefix, worker_id, target)
                 log.info("engine %s: step target %.1f ms (%s)", worker_id, target, self.config.policy)
         except REDIS_DOWN as exc:
