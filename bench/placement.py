@@ -5,9 +5,11 @@ An agent population (planner.trace.with_agents: K agent types, T tenants, 5-25k 
 of system prompt and tool schemas per type) runs through one disaggregated deployment
 at its knee - the lowest rate tried at which ``memory`` (AMPD's binding as published)
 misses the SLO in more than :data:`KNEE_MISS` of rounds - once per placement and ITL
-rule. Each row gives the share of rounds that met the SLO and the prompt tokens the
-engines computed (prefix-cache hits and pulled KV not counted): what the engines' own
-caches saved under each rule.
+rule and trace seed. Each row gives the share of rounds that met the SLO and the prompt
+tokens the engines computed (prefix-cache hits and pulled KV not counted): what the
+engines' own caches saved under each rule. The rules' attainments lie within a point of
+each other, less than one trace differs from another, so a verdict between them is read
+over several seeds (the table's mean and range), never from one.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from statistics import fmean
 
 from perfmodel.profile import Profile
 from perfmodel.slo import SLO, ItlRule, derived_slo
@@ -65,6 +68,7 @@ class Row:
     itl_rule: str
     attainment: float  # rounds that met the SLO under the ITL rule, a fraction
     prefill_tokens: int  # prompt tokens the engines computed
+    seed: int  # the trace's
 
 
 def run_one(setup: Setup, rate: float, placement: Placement, rule: ItlRule) -> Row:
@@ -74,7 +78,7 @@ def run_one(setup: Setup, rate: float, placement: Placement, rule: ItlRule) -> R
     sim.run()
     report = sim.report()
     computed = sum(w.prefill_tokens for w in sim.workers.values())
-    return Row(placement, rule, report.slo_attainment_by_rule[rule], computed)
+    return Row(placement, rule, report.slo_attainment_by_rule[rule], computed, setup.seed)
 
 
 def knee(setup: Setup, rates: Sequence[float]) -> float:
@@ -86,24 +90,64 @@ def knee(setup: Setup, rates: Sequence[float]) -> float:
     return rates[-1]
 
 
-def run_placement(setup: Setup, rate: float, rules: Sequence[ItlRule], workers: int = 0) -> list[Row]:
-    """Every placement under every rule at ``rate``, in parallel processes."""
-    jobs = [(placement, rule) for rule in rules for placement in PLACEMENTS]
+def run_placement(
+    setup: Setup, rate: float, rules: Sequence[ItlRule], seeds: Sequence[int], workers: int = 0
+) -> list[Row]:
+    """Every placement under every rule at ``rate``, on the trace of each seed, in parallel processes."""
+    jobs = [
+        (replace(setup, seed=seed), placement, rule) for seed in seeds for rule in rules for placement in PLACEMENTS
+    ]
     with ProcessPoolExecutor(max_workers=workers or None) as pool:
-        futures = [pool.submit(run_one, setup, rate, placement, rule) for placement, rule in jobs]
+        futures = [pool.submit(run_one, seeded, rate, placement, rule) for seeded, placement, rule in jobs]
         return [f.result() for f in futures]
 
 
+@dataclass(frozen=True)
+class Summary:
+    """One placement under one rule over the seeds: the mean, the range, and the seeds on
+    which it met the SLO in at least as many rounds as every other rule but ``memory``."""
+
+    placement: str
+    itl_rule: str
+    attainment: float
+    attainment_min: float
+    attainment_max: float
+    prefill_tokens: float
+    best_on: int
+    seeds: int
+
+
+def summarize_rows(rows: Sequence[Row]) -> list[Summary]:
+    out = []
+    for rule in dict.fromkeys(r.itl_rule for r in rows):
+        ruled = [r for r in rows if r.itl_rule == rule]
+        seeds = sorted({r.seed for r in ruled})
+        best = {s: max(r.attainment for r in ruled if r.seed == s and r.placement != "memory") for s in seeds}
+        for placement in dict.fromkeys(r.placement for r in ruled):
+            mine = [r for r in ruled if r.placement == placement]
+            attained = [r.attainment for r in mine]
+            out.append(Summary(
+                placement, rule, fmean(attained), min(attained), max(attained),
+                fmean(r.prefill_tokens for r in mine), sum(r.attainment >= best[r.seed] for r in mine), len(mine),
+            ))  # fmt: skip
+    return out
+
+
 def table(rows: Sequence[Row]) -> str:
-    """The rows as Markdown, with each placement's prefill tokens against ``memory``'s."""
-    memory = {r.itl_rule: r.prefill_tokens for r in rows if r.placement == "memory"}
+    """The rows over their seeds as Markdown: the mean attainment and its range, on how many
+    seeds the placement was the best (``memory`` aside), and its mean prefill tokens
+    against ``memory``'s."""
+    summary = summarize_rows(rows)
+    memory = {s.itl_rule: s.prefill_tokens for s in summary if s.placement == "memory"}
     lines = [
-        "| placement | ITL rule | SLO attainment | prefill tokens | vs memory |",
-        "| --- | --- | --- | --- | --- |",
+        "| placement | ITL rule | SLO attainment, mean (range) | best on seeds | prefill tokens, mean | vs memory |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
-        share = r.prefill_tokens / memory[r.itl_rule] if memory.get(r.itl_rule) else float("nan")
-        cells = (r.placement, r.itl_rule, f"{100 * r.attainment:.1f}%", f"{r.prefill_tokens:,}", f"{share:.2f}x")
+    for s in summary:
+        share = s.prefill_tokens / memory[s.itl_rule] if memory.get(s.itl_rule) else float("nan")
+        best = "-" if s.placement == "memory" else f"{s.best_on} of {s.seeds}"
+        attained = f"{100 * s.attainment:.1f}% ({100 * s.attainment_min:.1f}-{100 * s.attainment_max:.1f})"
+        cells = (s.placement, s.itl_rule, attained, best, f"{s.prefill_tokens:,.0f}", f"{share:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -114,10 +158,11 @@ def write(out: Path, rows: Sequence[Row], setup: Setup, rate: float, title: str)
     about = {
         "model_profile": setup.profile.name, "gpus": setup.gpus, "prefill_replicas": setup.prefill_replicas,
         "decode_replicas": setup.decode_replicas, "workload": setup.workload, "agent_types": setup.agents.types,
-        "tenants": setup.agents.tenants, "sessions": setup.sessions, "rate": rate, "seed": setup.seed,
-        "policy": setup.policy, "slo_scale": setup.slo_scale,
+        "tenants": setup.agents.tenants, "sessions": setup.sessions, "rate": rate,
+        "seeds": sorted({r.seed for r in rows}), "policy": setup.policy, "slo_scale": setup.slo_scale,
     }  # fmt: skip
-    out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "setup": about}, indent=2) + "\n")
+    body = {"rows": [asdict(r) for r in rows], "summary": [asdict(s) for s in summarize_rows(rows)], "setup": about}
+    out.write_text(json.dumps(body, indent=2) + "\n")
     markdown = out.with_suffix(".md")
     markdown.write_text(f"# {title}\n\n{table(rows)}\n")
     return [out, markdown]

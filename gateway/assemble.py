@@ -20,6 +20,7 @@ from gateway.engines.tokens import ServedTokenizers
 from gateway.engines.upstream import EngineClient
 from gateway.metrics import GatewayMetrics
 from gateway.rounds import RoundRecorder, RoundRunner
+from gateway.state.failover import Failover
 from gateway.state.outage import RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
 from gateway.state.redis_batch import PackedConnection, RedisBatch
@@ -30,6 +31,7 @@ from gateway.tenancy import Keyring
 from gateway.tracing import RoundTracer
 from rounds.core import RoundCore
 from rounds.policies import POLICIES
+from surface.redis_address import RedisAddress
 from tools_sandbox.client import ToolRunner
 
 REDIS_CONNECTIONS = 256
@@ -39,7 +41,8 @@ def assemble(config: GatewayConfig) -> Gateway:
     """The gateway a replica runs: its Redis client, engine client, metrics, worker pool,
     prefill queues, session store, statistics, round runner and, for an elastic policy,
     the role controller - each given what it shares with the others."""
-    redis = redis_client(config.redis_url)
+    address = RedisAddress.parse(config.redis_url)
+    redis = redis_client(address)
     batch = RedisBatch(redis)
     client = EngineClient(config.request_timeout_s)
     policy = POLICIES[config.policy]
@@ -48,9 +51,12 @@ def assemble(config: GatewayConfig) -> Gateway:
     index = KVIndex()
     metrics = GatewayMetrics(roles=lambda: pool.role_list(), indexed=lambda: index.held_blocks())
     health = RedisHealth(metrics.redis_up, metrics.redis_errors)
+    failover = Failover(batch, health, metrics.redis_unreplicated, config.redis_failover_wait_s,
+                        config.redis_replica_ack_ms)  # fmt: skip
     queues = PrefillQueues(
         redis, batch, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
         max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=health, postponements=metrics.postponements,
+        failover=failover,
     )  # fmt: skip
     pool = WorkerPool(redis, config.key_prefix, config.static_workers, client, health)
     stats = WindowedStats(config.key_prefix, config.stats_window_s)
@@ -61,20 +67,20 @@ def assemble(config: GatewayConfig) -> Gateway:
             policy.elastic, pool, queues, stats, redis, config.key_prefix, config.replica_id, metrics,
             config.alpha, config.beta, config.role_plan,
         )  # fmt: skip
-    recorder = RoundRecorder(core, redis, batch, stats, sessions, RoundTracer(), metrics, health,
+    recorder = RoundRecorder(core, redis, batch, failover, stats, sessions, RoundTracer(), metrics, health,
                              elastic.demand if elastic else None)  # fmt: skip
     return Gateway(
         config=config, redis=redis, batch=batch, client=client, metrics=metrics, health=health, pool=pool,
         queues=queues, sessions=sessions, reads=RoundReads(batch, sessions, queues, stats, health),
         tokenizers=ServedTokenizers(redis, config.key_prefix, client, metrics.prompt_count_checks),
         rounds=RoundRunner(core, pool, queues, client, metrics, config.migration_limit, recorder),
-        tools=ToolRunner(config.redis_url, config.key_prefix), step_targets=StepTargets(redis, config),
+        tools=ToolRunner(address.client(), config.key_prefix), step_targets=StepTargets(redis, config),
         keys=Keyring(config.api_keys, config.api_keys_file),
-        kv=KVSubscriber(index, metrics.kv_malformed, metrics.kv_dropped), elastic=elastic,
+        kv=KVSubscriber(index, metrics.kv_malformed, metrics.kv_dropped), failover=failover, elastic=elastic,
     )  # fmt: skip
 
 
-def redis_client(url: str) -> aioredis.Redis:
+def redis_client(address: RedisAddress) -> aioredis.Redis:
     """The replica's Redis client. It blocks for a free connection rather than fail when
     hundreds of requests are in flight. A connection Redis dropped (a restart) fails on
     first use: it is opened again and the command sent once more - a write on a dead socket
@@ -82,10 +88,11 @@ def redis_client(url: str) -> aioredis.Redis:
     redis-py retries nothing.) The client's name and version (CLIENT SETINFO) are read
     once: left to redis-py, each new connection parses the package's metadata again, paid
     for every connection a burst of streams opens."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
+    client = address.async_client(
+        blocking=True, decode_responses=True, max_connections=REDIS_CONNECTIONS, timeout=10,
         retry=Retry(NoBackoff(), 1), retry_on_error=[aioredis.ConnectionError], driver_info=DriverInfo(),
     )  # fmt: skip
-    if pool.connection_class is aioredis.Connection:  # TCP (TLS and unix sockets pack as redis-py does)
+    pool = client.connection_pool
+    if pool.connection_class is aioredis.Connection:  # TCP (TLS, unix sockets and Sentinel's pack as redis-py does)
         pool.connection_class = PackedConnection
-    return aioredis.Redis(connection_pool=pool)
+    return client

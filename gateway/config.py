@@ -12,6 +12,7 @@ from perfmodel.slo import ALPHA, BETA, SLO, ItlRule, derived_slo
 from rounds.elastic import RolePlan
 from rounds.placement import Placement
 from rounds.policies import POLICIES
+from surface.redis_address import RedisAddress
 from surface.registry import Role
 from tools_sandbox.registry import TOOLS
 
@@ -34,7 +35,23 @@ class StaticWorker(BaseModel):
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="redis://... for one server, redis+sentinel://... for a primary Sentinel manages "
+        "(surface.redis_address)",
+    )
+    redis_failover_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="with Sentinel: how long a round's writes wait for a primary to take them (a failover) "
+        "before they are dropped as in an outage (gateway.state.failover)",
+    )
+    redis_replica_ack_ms: int = Field(
+        default=500,
+        ge=0,
+        description="with Sentinel: how long a round's writes wait for a replica's acknowledgement (WAIT); "
+        "0: not asked",
+    )
     key_prefix: str = Field(default="ampd", description="prefix of every Redis key; isolates deployments")
     replica_id: str = Field(default_factory=lambda: secrets.token_hex(6))
 
@@ -101,6 +118,12 @@ class GatewayConfig(BaseModel):
         description="log each exchange's messages and reply (logger ampd.content); off, no prompt "
         "text reaches a log or a span",
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _readable_redis_url(cls, value: str) -> str:
+        RedisAddress.parse(value)
+        return value
 
     @field_validator("server_tools")
     @classmethod

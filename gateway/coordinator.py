@@ -36,6 +36,7 @@ from gateway.engines.upstream import EngineClient, Reply, UpstreamError
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.rounds import Round, RoundRunner
+from gateway.state.failover import Failover
 from gateway.state.outage import RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
 from gateway.state.redis_batch import RedisBatch
@@ -74,6 +75,7 @@ class Gateway:
     step_targets: StepTargets
     keys: Keyring
     kv: KVSubscriber
+    failover: Failover
     elastic: ElasticLoop | None = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -86,6 +88,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self.keys.watch(KEYS_POLL_S), name="keys-file"))
         if self.elastic is not None:
             self._tasks.append(asyncio.create_task(self.elastic.run_forever(self.slo_for), name="elastic"))
+        if self.failover.managed:
+            self._tasks.append(asyncio.create_task(self.failover.follow_forever(), name="redis-primary"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -109,9 +113,11 @@ class Gateway:
     async def _refresh(self) -> None:
         await self.pool.refresh()
         self.queues.watch(self.pool.workers)
+        self.tokenizers.prepare(self.pool.models())
         await self.step_targets.assign(w.info for w in self.pool.workers.values())
         if self.config.kv_index:
-            self.kv.follow(w.info for w in self.pool.workers.values())
+            workers = self.pool.workers.values()
+            self.kv.follow((w.info for w in workers), busy={w.info.worker_id for w in workers if w.load.running})
 
     # -- an exchange begins -----------------------------------------------------------------
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> str:
@@ -171,7 +177,8 @@ class Gateway:
         if extends and transcript is not None:  # server tool rounds the client never saw
             engine_messages = transcript + messages[session.conversation_len :]
             l_total = await self._count(model, engine_messages, engine_tools or None)
-        bound = self.rounds.bind(session.state if session else None, model, l_total, keeps_history=extends)
+        signals = self._placement_signals(model, engine_messages, engine_tools or None, raw.get("cache_salt"), signals)
+        bound = self.rounds.bind(session.state if session else None, model, l_total, extends, signals)
         if session is None:
             self.metrics.sessions.inc()
             session = new_session(
@@ -235,29 +242,31 @@ class Gateway:
         raise lost or UpstreamError(f"no decode worker is available for {model}", 503)
 
     def _plan(self, ex: Exchange, bound: Bound, l_total: int, created: float, signals: Signals) -> Round:
-        """The round's plan. Under a placement by the engines' caches (rounds.placement) the
-        KV index's view of the prompt goes into the signals the core routes by, and into the
-        round's record; under ``memory`` nothing is hashed, so the hot path pays nothing."""
-        indexed = self._indexed(ex) if self.config.placement != "memory" else None
-        if indexed:
-            signals = replace(signals, cached_tokens=indexed)
+        """The round's plan; its record keeps what the KV index saw of the prompt."""
         r = self.rounds.plan(ex, bound, l_total, created, signals)
-        r.indexed = indexed
+        r.indexed = dict(signals.cached_tokens) or None
         return r
 
-    def _indexed(self, ex: Exchange) -> dict[str, int] | None:
-        """The prompt tokens each engine the round could use holds in its prefix cache, as
-        the KV index sees them (gateway.engines.kv_index): the prompt's token ids, from its
-        model's published tokenizer, hashed as each engine hashes its blocks. None where
-        no engine is indexed or the gateway has no ids for the model."""
-        model = ex.body["model"]
-        hashing = self.kv.hashing(self._candidates(model))
-        if not hashing:
-            return None
-        ids = self.tokenizers.token_ids(model, ex.engine_messages, ex.engine_tools)
-        if ids is None:
-            return None
-        return cached_tokens(self.kv.index, hashing, ids, ex.body.get("cache_salt"))
+    def _placement_signals(
+        self, model: str, messages: list, tools: list | None, cache_salt: str | None, signals: Signals
+    ) -> Signals:
+        """Under a placement by the engines' caches (rounds.placement), the signals the core
+        binds and routes by gain what each engine holds of the prompt, as the KV index sees
+        it, and each engine's requests waiting and running at its last scrape. Under
+        ``memory`` nothing is hashed, so the hot path pays nothing."""
+        if self.config.placement == "memory":
+            return signals
+        workers = self._candidates(model)
+        hashing = self.kv.hashing(workers)
+        ids = self.tokenizers.token_ids(model, messages, tools) if hashing else None
+        if ids is None:  # no engine indexed, or no ids for the model: placement falls back to memory
+            return signals
+        loads = {w: live.load for w in workers if (live := self.pool.get(w)) is not None}
+        return replace(
+            signals, cached_tokens=cached_tokens(self.kv.index, hashing, ids, cache_salt),
+            waiting={w: load.waiting for w, load in loads.items()},
+            running={w: load.running for w, load in loads.items()},
+        )  # fmt: skip
 
     def _candidates(self, model: str) -> list[str]:
         """Every worker a round of ``model`` could use."""
@@ -316,8 +325,10 @@ class Gateway:
         l_total, signals = await asyncio.gather(
             self._count(model, ex.engine_messages, ex.engine_tools), self.reads.signals(self._candidates(model))
         )
+        salt = ex.body.get("cache_salt")
+        signals = self._placement_signals(model, ex.engine_messages, ex.engine_tools, salt, signals)
         try:  # the decode worker may have been lost while the tools ran: the session moves on
-            bound = self.rounds.bind(ex.session.state, model, l_total)
+            bound = self.rounds.bind(ex.session.state, model, l_total, signals=signals)
         except ValueError as exc:
             raise UpstreamError(f"no decode worker is left for {model}", 503) from exc
         ex.rebound(bound)

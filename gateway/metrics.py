@@ -130,6 +130,10 @@ class GatewayMetrics:
             "ampd_redis_errors", "Redis calls that failed, by what the gateway was doing (gateway.state.outage).",
             ["what"], registry=r,
         ))  # fmt: skip
+        self.redis_unreplicated = Counter(
+            "ampd_redis_unreplicated_writes", "Rounds whose writes a Sentinel-managed primary took with no "
+            "replica's acknowledgement: a failover could lose them (gateway.state.failover).", registry=r,
+        )  # fmt: skip
         self.sessions = Counter("ampd_sessions_bound", "New sessions bound to a decode worker.", registry=r)
         self.role_moves = Family(Counter(
             "ampd_role_moves", "Engines the elastic controller moved to another role, by why.", ["reason"], registry=r,
@@ -148,10 +152,10 @@ class GatewayMetrics:
             "ampd_kv_events_malformed", "KV event frames from engines that did not decode, skipped.", registry=r
         )
         self.kv_dropped = Family(Counter(
-            "ampd_kv_index_dropped", "Engines' views in the KV index dropped and rebuilt: gap, restart, bound.",
+            "ampd_kv_index_dropped", "Engines' views in the KV index dropped and rebuilt: gap, restart, bound, silent.",
             ["reason"], registry=r,
         ))  # fmt: skip
-        for reason in ("gap", "restart", "bound"):
+        for reason in ("gap", "restart", "bound", "silent"):
             self.kv_dropped.labels(reason)
         if os.environ.get(MULTIPROCESS_DIR):
             self._exposed = CollectorRegistry()

@@ -28,6 +28,7 @@ from gateway.engines.pool import LiveWorker, WorkerPool
 from gateway.engines.upstream import EngineClient, Reply, UpstreamError
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
+from gateway.state.failover import Failover
 from gateway.state.outage import REDIS_DOWN, RedisHealth
 from gateway.state.prefill_queue import PrefillQueues, QueueFull
 from gateway.state.redis_batch import RedisBatch
@@ -36,7 +37,17 @@ from gateway.state.stats import WindowedStats
 from gateway.tool_loop import ClientView
 from gateway.tracing import RoundTimes, RoundTracer
 from perfmodel.slo import Gaps
-from rounds.core import Bound, Candidate, RoundCore, RoundPlan, RoundRecord, RoundResult, SessionState, Signals
+from rounds.core import (
+    Bound,
+    Candidate,
+    Prompt,
+    RoundCore,
+    RoundPlan,
+    RoundRecord,
+    RoundResult,
+    SessionState,
+    Signals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +111,25 @@ class RoundRunner:
         self.migration_limit, self.recorder = migration_limit, recorder
 
     # -- before the round: binding and the plan -------------------------------------------
-    def bind(self, state: SessionState | None, model: str, l_total: int, keeps_history: bool = True) -> Bound:
-        """The session's decode worker (rounds.core.RoundCore.bind); a newly bound one
-        expects the round's prompt. ``ValueError``: no decode worker is left."""
-        bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history, holders=self.pool.workers)
+    def bind(
+        self,
+        state: SessionState | None,
+        model: str,
+        l_total: int,
+        keeps_history: bool = True,
+        signals: Signals | None = None,
+    ) -> Bound:
+        """The session's decode worker (rounds.core.RoundCore.bind): where the signals say
+        what the engines cache of the prompt (a placement by the KV index), placed by them;
+        a newly bound one expects what it does not cache of the round's prompt.
+        ``ValueError``: no decode worker is left."""
+        prompt = None
+        if signals is not None and signals.cached_tokens:
+            workers = self.pool.decoders(model) + self.pool.prefillers(model, exclude="")
+            prompt = Prompt(l_total, {w.info.worker_id: self._candidate(w) for w in workers}, signals)
+        bound = self.core.bind(state, self.pool.decode_candidates(model), keeps_history, self.pool.workers, prompt)
         if bound.moved:
-            self.pool.arrivals.expect(bound.state.decode_worker, l_total)
+            self.pool.arrivals.expect(bound.state.decode_worker, l_total - bound.state.l_hist)
         return bound
 
     def plan(self, ex: Exchange, bound: Bound, l_total: int, created_at: float, signals: Signals) -> Round:
@@ -245,6 +269,7 @@ class RoundRecorder:
         core: RoundCore,
         redis: aioredis.Redis,
         batch: RedisBatch,
+        failover: Failover,
         stats: WindowedStats,
         sessions: SessionStore,
         tracer: RoundTracer,
@@ -253,6 +278,7 @@ class RoundRecorder:
         demand: DemandLog | None = None,
     ) -> None:
         self.core, self.redis, self.batch, self.stats, self.sessions = core, redis, batch, stats, sessions
+        self.failover = failover
         self.tracer, self.metrics, self.health, self.demand = tracer, metrics, health, demand
 
     async def arrived(self, r: Round) -> None:
@@ -302,10 +328,11 @@ class RoundRecorder:
             self.metrics.slo_rounds.labels(rule, "met" if met else "missed").inc()
 
     async def flush(self, ex: Exchange, what: str = "round record") -> None:
-        """Send the writes staged on ``ex.writes`` (lost, not fatal, while Redis is away)."""
+        """Send the writes staged on ``ex.writes``: kept through a failover of a Sentinel-managed
+        Redis (gateway.state.failover), else lost, not fatal, while Redis is away."""
         pipe, ex.writes = ex.writes, None
         if pipe is not None:
-            await self._send(pipe, what)
+            await self.failover.close(pipe, what)
 
     async def _send(self, pipe: aioredis.client.Pipeline, what: str) -> None:
         """Writes of shared state, with other rounds' commands: lost, not fatal, while Redis is away."""

@@ -8,7 +8,9 @@ completion creates an incremental prefill task). The client receives one complet
 * content streams from every round as it is generated;
 * server-side tool calls are hidden, client-side ones pass (re-indexed from 0);
 * a finish reason appears once, at the end of the last round;
-* between rounds a chunk with no choices announces the round in ``ampd_tool_round``.
+* between rounds a chunk with no choices announces the round in ``ampd_tool_round``:
+  each call the gateway ran, with what its tool returned (:class:`ToolRound`), which the
+  Responses and Messages APIs render as their own server-side tool items.
 
 The engine, meanwhile, sees the true conversation - every assistant turn and tool
 result - which the gateway keeps as the session's transcript (gateway.state.sessions).
@@ -20,8 +22,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from pydantic import BaseModel
+
 from gateway.engines.upstream import Reply
 from tools_sandbox.outcome import Outcome
+
+SERVER_NAME = "ampd"  # the tool server the translated APIs name (an MCP server's label there)
 
 
 class ClientView:
@@ -98,11 +104,31 @@ def announcement(head: dict[str, Any], round_index: int, calls: list[dict[str, A
     }
 
 
+class ServerCall(BaseModel):
+    """A server-side tool call as the client sees it: what the model asked, and what the
+    tool returned - the text the model read next, which is the error where ``ok`` is false."""
+
+    id: str
+    name: str
+    arguments: str
+    ok: bool
+    output: str
+
+
+class ToolRound(BaseModel):
+    """A round's server-side tool calls: ``ampd_tool_round`` in a chat stream, an entry of
+    ``ampd_tool_rounds`` in a chat completion."""
+
+    round: int
+    calls: list[ServerCall]
+
+
 def round_summary(round_index: int, calls: list[dict[str, Any]], outcomes: list[Outcome]) -> dict[str, Any]:
-    return {
-        "round": round_index,
-        "calls": [
-            {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "ok": o.ok}
-            for c, o in zip(calls, outcomes, strict=True)
-        ],
-    }
+    """A round's server-side calls and what each tool returned, as the client gets them."""
+    ran = [
+        ServerCall(
+            id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"], ok=o.ok, output=o.content
+        )
+        for c, o in zip(calls, outcomes, strict=True)
+    ]
+    return ToolRound(round=round_index, calls=ran).model_dump()

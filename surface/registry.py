@@ -25,6 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from perfmodel.profile import Profile
+from surface.redis_address import RedisAddress, follow_primary
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ STEP_TARGET_POLL_S = 1.0  # how soon an assigned step target reaches an engine's
 
 def heartbeat_client(url: str) -> aioredis.Redis:
     """A client for ``Registration`` that retries a call once, at once (a connection that a
-    Redis restart left stale), and otherwise leaves retrying to the heartbeat loop: redis-py's
-    default tries ten times with back-off, each try waiting up to its socket timeout."""
-    return aioredis.from_url(url, decode_responses=True, retry=Retry(NoBackoff(), 1))
+    Redis restart or failover left stale), and otherwise leaves retrying to the heartbeat
+    loop: redis-py's default tries ten times with back-off, each try waiting up to its
+    socket timeout. ``url`` as surface.redis_address reads it."""
+    return RedisAddress.parse(url).async_client(decode_responses=True, retry=Retry(NoBackoff(), 1))
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,7 @@ class Registration:
         a slow Redis still leaves time for the next one before the entry lapses."""
         try:
             async with asyncio.timeout(self.ttl_s / 4):
+                await follow_primary(self.redis)  # after a switch-over, beat where gateways read
                 await register(self.redis, self.prefix, self.info, self.ttl_s)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("heartbeat to Redis failed: %s", exc)

@@ -492,16 +492,18 @@ def test_messages_accept_x_api_key(stack):
 
 
 def test_server_tools_run_behind_both_apis(stack):
-    """The gateway runs its own tool and the next round; the client sees only the answer."""
+    """The gateway runs its own tool and the next round; the client sees the call as its API
+    shows a call a server ran, then the answer - the plain SDKs too, which know no such type."""
     script = {"rounds": [{"tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]},
                          {"output_tokens": 12}]}  # fmt: skip
     extra = {"server_tools": ["calculator"], "sim_script": script}
     openai_client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")
     response = openai_client.responses.create(model=MODEL, input="What is six times seven?", extra_body=extra)
-    assert [item.type for item in response.output] == ["message"] and response.output_text
-    assert response.model_extra["ampd_tool_rounds"][0]["calls"][0]["name"] == "calculator"
+    assert [item.type for item in response.output] == ["mcp_call", "message"] and response.output_text
+    assert (response.output[0].name, response.output[0].output) == ("calculator", "42")
     events = list(openai_client.responses.create(model=MODEL, input="6*7 again?", extra_body=extra, stream=True))
-    assert events[-1].type == "response.completed" and [i.type for i in events[-1].response.output] == ["message"]
+    assert events[-1].type == "response.completed"
+    assert [i.type for i in events[-1].response.output] == ["mcp_call", "message"]
     assert not any(e.type.startswith("response.function_call") for e in events)
 
     client = anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
@@ -509,7 +511,8 @@ def test_server_tools_run_behind_both_apis(stack):
                                 extra_body=extra) as stream:  # fmt: skip
         session_id = stream.response.headers["x-session-id"]
         final = stream.get_final_message()
-    assert final.stop_reason == "end_turn" and [b.type for b in final.content] == ["text"]
+    assert final.stop_reason == "end_turn"
+    assert [b.type for b in final.content] == ["mcp_tool_use", "mcp_tool_result", "text"]
     assert final.usage.output_tokens > 12  # both engine rounds counted
     transcript = json.loads(stack.redis.get(f"{stack.prefix}:transcript:public:{session_id}"))
     assert [m["role"] for m in transcript] == ["user", "assistant", "tool", "assistant"] and transcript[2][
@@ -677,7 +680,9 @@ def test_chat_chunks_become_responses_events():
               {"choices": [{"delta": {"content": " there"}}]},
               {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "w"}}]}}]},
               {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":1}'}}]}}]},
-              {"choices": [], "ampd_tool_round": {"round": 1}}]  # fmt: skip
+              {"choices": [], "ampd_tool_round": {"round": 1, "calls": [
+                  {"id": "c2", "name": "calculator", "arguments": '{"expression":"1/0"}', "ok": False,
+                   "output": "calculator error: division by zero"}]}}]  # fmt: skip
     raw = (
         stream.start()
         + [e for c in chunks for e in stream.feed(c)]
@@ -691,11 +696,19 @@ def test_chat_chunks_become_responses_events():
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.output_item.added",
         "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.output_item.added", "response.mcp_call.in_progress",
+        "response.mcp_call_arguments.delta", "response.mcp_call_arguments.done", "response.mcp_call.failed",
         "response.output_item.done", "response.completed",
     ]  # fmt: skip
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-7]["item"]["status"] == "in_progress" and events[-7]["item"]["error"] is None
     done = events[-1]["response"]
-    assert [i["type"] for i in done["output"]] == ["message", "function_call"]
+    assert [i["type"] for i in done["output"]] == ["message", "function_call", "mcp_call"]
+    mcp = done["output"][2]
+    assert mcp == events[-2]["item"] and mcp["id"].startswith("mcp_")
+    assert {k: v for k, v in mcp.items() if k != "id"} == {
+        "type": "mcp_call", "status": "failed", "server_label": "ampd", "name": "calculator",
+        "arguments": '{"expression":"1/0"}', "output": None, "error": "calculator error: division by zero"}  # fmt: skip
     assert done["output"][0]["content"][0]["text"] == "Hi there" and done["output"][1]["arguments"] == '{"a":1}'
     assert done["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 4,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9}  # fmt: skip
@@ -756,6 +769,36 @@ def test_chat_chunks_become_anthropic_events():
     assert [e["index"] for e in events if e["type"].startswith("content_block")] == [0, 0, 0, 1, 1, 1, 1]
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[-2]["usage"] == {"input_tokens": 11, "output_tokens": 6}
+
+
+@pytest.mark.unit
+def test_server_tool_rounds_become_mcp_blocks_which_a_turn_sent_back_skips():
+    ran = {"id": "c1", "name": "calculator", "arguments": '{"expression":"6*7"}', "ok": True, "output": "42"}
+    stream = messages_api.MessageEvents("msg_1", "m", 3, None)
+    raw = (
+        stream.start()
+        + stream.feed({"choices": [{"delta": {"content": "Let me"}}]})
+        + stream.feed({"choices": [], "ampd_tool_round": {"round": 1, "calls": [ran]}})
+        + stream.finish("stop", None, None)
+    )
+    events = [json.loads(e.decode().split("\ndata: ", 1)[1]) for e in raw]
+    assert [e["type"] for e in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_stop", "content_block_start", "content_block_stop", "message_delta",
+        "message_stop",
+    ]  # fmt: skip
+    assert [e["index"] for e in events if e["type"].startswith("content_block")] == [0, 0, 0, 1, 1, 2, 2]
+    use, result = events[5]["content_block"], events[7]["content_block"]
+    assert use == {"type": "mcp_tool_use", "id": use["id"], "name": "calculator", "server_name": "ampd",
+                   "input": {"expression": "6*7"}}  # fmt: skip
+    assert result == {"type": "mcp_tool_result", "tool_use_id": use["id"], "is_error": False,
+                      "content": [{"type": "text", "text": "42"}]}  # fmt: skip
+    assert events[-2]["delta"]["stop_reason"] == "end_turn"
+    turn = {"role": "assistant", "content": [{"type": "text", "text": "Let me"}, use, result,
+                                             {"type": "text", "text": " see: 42"}]}  # fmt: skip
+    asked = {"max_tokens": 5, "messages": [{"role": "user", "content": "6*7?"}, turn, {"role": "user", "content": "k"}]}
+    chat, _ = messages_api.to_chat(asked, messages_api.parse_request(asked))
+    assert chat["messages"][1] == {"role": "assistant", "content": "Let me see: 42"}
 
 
 @pytest.mark.unit

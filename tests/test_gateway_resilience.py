@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from ampd.local_redis import free_port
 from ampd.processes import spawn_gateway, wait_healthy
 from gateway.metrics import GatewayMetrics
+from gateway.state.failover import Failover
 from gateway.state.leases import LEASE_S
 from gateway.state.outage import REDIS_DOWN, RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
@@ -45,9 +46,11 @@ def ask(url: str, session_id: str, content: str) -> httpx.Response:
 def replica_queues(prefix: str, replica: str, client: aioredis.Redis, policy: str) -> PrefillQueues:
     """One replica's prefill queues, in this process, with one slot per worker."""
     metrics = GatewayMetrics(roles=list)
-    health = RedisHealth(metrics.redis_up, metrics.redis_errors)
-    return PrefillQueues(client, RedisBatch(client), prefix, replica, RoundCore(POLICIES[policy]), slots=1,
-                         max_queue=8, task_ttl_s=60, health=health, postponements=metrics.postponements)  # fmt: skip
+    health, batch = RedisHealth(metrics.redis_up, metrics.redis_errors), RedisBatch(client)
+    failover = Failover(batch, health, metrics.redis_unreplicated, wait_s=0, ack_ms=0)  # a plain Redis: unused
+    return PrefillQueues(client, batch, prefix, replica, RoundCore(POLICIES[policy]), slots=1, max_queue=8,
+                         task_ttl_s=60, health=health, postponements=metrics.postponements,
+                         failover=failover)  # fmt: skip
 
 
 def cleanup(prefix: str) -> None:

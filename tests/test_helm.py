@@ -449,6 +449,18 @@ def test_gpu_free_engines_external_redis_and_gpu_node_selection():
     assert ref == {"secretKeyRef": {"name": "shared-redis", "key": "url"}}
 
 
+@pytest.mark.unit
+def test_a_redis_that_sentinel_manages_reaches_every_process():
+    url = "redis+sentinel://sentinel-0.redis:26379,sentinel-1.redis:26379,sentinel-2.redis/ampd/0"
+    objects = render(SPLIT.helm_values() | {"engines": {"kind": "sim"}, "redis": {"enabled": False, "url": url}})
+    assert ("Deployment", "ampd-redis") not in objects
+    for name, container in containers(objects).items():
+        assert env_of(container)["REDIS_URL"] == url, name
+    for workload in engines(objects).values():
+        (container,) = pod_spec(workload)["containers"]
+        assert parse_ampd(expanded(container)).params["redis_url"] == url  # the CLI reads it (and would refuse)
+
+
 def test_a_plan_that_sizes_steps_starts_every_engine_with_its_target():
     """dynaserve under the P95 rule: ampd's scheduler in vLLM, and the GPU-free engines alike,
     start with the plan's step target (the gateways assign it too); the default plan starts

@@ -95,6 +95,8 @@ def test_malformed_frames_read_as_nothing():
 
 @pytest.mark.unit
 def test_prompt_ids_are_the_engines_and_none_where_the_files_name_no_ids(tmp_path):
+    from surface.hashed_vocab import CONFIG_KEY
+    from workers.sim.tokenizer import Tokenizer as SimTokenizer
     from workers.sim.tokenizer import files as sim_files
 
     model_dir = tiny_model.build(tmp_path / "model")
@@ -104,7 +106,63 @@ def test_prompt_ids_are_the_engines_and_none_where_the_files_name_no_ids(tmp_pat
     assert text is not None and tokenizer.gives_ids
     whole = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
     assert tokenizer.token_ids(messages, None) == whole and tokenizer.count(messages, None) == len(whole)
-    assert ModelTokenizer(sim_files()).token_ids(messages, None) is None
+    # The GPU-free engine's ids are hashes of its pieces: the gateway computes them from its files.
+    files = sim_files(32_000)
+    sim = ModelTokenizer(files)
+    rendered = sim._render(messages, None)
+    assert rendered is not None and sim.token_ids(messages, None) == SimTokenizer(32_000).encode(rendered)
+    unnamed = dict(files, config={k: v for k, v in files["config"].items() if k != CONFIG_KEY})
+    assert ModelTokenizer(unnamed).token_ids(messages, None) is None  # a vocabulary of <unk> alone names none
+
+
+def test_a_publisher_gone_silent_while_its_engine_works_ages_out():
+    """An engine whose publisher stops sending: while it runs no request, silence is what
+    an idle engine publishes and its view stays; once it has run requests for longer
+    than ``silent_s`` with no batch, its view is dropped (counted) and it is subscribed to
+    afresh, so a publisher that comes back is followed again."""
+    from gateway.engines.kv_subscriber import KVSubscriber
+    from gateway.metrics import GatewayMetrics
+
+    async def run() -> None:
+        metrics = GatewayMetrics(tuple)
+        index = KVIndex()
+        feeds = KVSubscriber(index, metrics.kv_malformed, metrics.kv_dropped, silent_s=0.5)
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        info = WorkerInfo("quiet", "decode", "http://127.0.0.1:9", "m", load_profile(DEFAULT_PROFILE),
+                          kv_events=f"tcp://127.0.0.1:{port}", kv_hash_algo="sha256",
+                          kv_hash_seed=wire.DEFAULT_SEED)  # fmt: skip
+
+        def silent_drops() -> float:
+            text = metrics.exposition().decode()
+            return float(re.search(r'^ampd_kv_index_dropped_total\{reason="silent"\} (\S+)$', text, re.M).group(1))
+
+        async def published(seq: int, block: int) -> None:  # PUB drops what it sends before the subscription lands
+            deadline = time.monotonic() + WAIT_S
+            while block not in index.engines["quiet"].blocks:
+                assert time.monotonic() < deadline, "the batch never reached the index"
+                pub.send_multipart(wire.published_frames(b"", seq, wire.encode_batch(batch(stored([block])))))
+                await asyncio.sleep(0.05)
+
+        try:
+            feeds.follow([info], busy=set())
+            await published(0, 42)
+            for _ in range(8):  # idle past silent_s: nothing is wrong
+                feeds.follow([info], busy=set())
+                await asyncio.sleep(0.1)
+            assert silent_drops() == 0 and index.engines["quiet"].blocks == {42}
+            feeds.follow([info], busy={"quiet"})  # it starts working: the silence counts from here
+            assert silent_drops() == 0
+            await asyncio.sleep(0.7)
+            feeds.follow([info], busy={"quiet"})
+            assert silent_drops() == 1 and not index.engines["quiet"].blocks
+            await published(0, 43)  # a publisher that comes back (restarted: from seq 0) is followed again
+            assert index.engines["quiet"].blocks == {43}
+        finally:
+            await feeds.close()
+            pub.close(linger=0)
+
+    asyncio.run(run())
 
 
 # -- a gateway over GPU-free engines --------------------------------------------------------
@@ -227,6 +285,50 @@ def test_the_gateways_index_predicts_what_gpu_free_engines_take_from_their_cache
         wait_for(lambda: by_url[engines[1].url] not in index_view(gateway.url), "the stopped engine forgotten")
     finally:
         pub.close(linger=0)
+        if gateway is not None:
+            gateway.stop()
+        for engine in engines:
+            stop(engine)
+        r = redis.Redis.from_url(REDIS_URL)
+        for key in r.scan_iter(f"{prefix}:*"):
+            r.delete(key)
+
+
+def test_a_gateway_placing_by_the_index_binds_new_sessions_where_their_agents_prompt_is_cached(tmp_path: Path):
+    """``--placement ampd`` over two GPU-free engines: each holds one agent's long system
+    prompt (put there straight, not through the gateway, so nothing else says where it
+    is); every new session of an agent is bound to the engine that caches its prompt, and
+    its first prompt is taken from that cache. Only the KV index knows: both engines are
+    equally loaded, and the sessions are new."""
+    prefix = f"kvp-{uuid.uuid4().hex[:8]}"
+    options = ("--num-blocks", "512", "--block-size", str(BLOCK), "--max-model-len", "4096",
+               "--enable-prompt-tokens-details", "--redis-url", REDIS_URL, "--redis-prefix", prefix)  # fmt: skip
+    engines = [start_sim_worker(tmp_path, *options) for _ in range(2)]
+    gateway = None
+    try:
+        gateway = start_gateway(tmp_path, REDIS_URL, prefix, "--placement", "ampd", "--policy", "coloc")
+        view = wait_for(lambda: len(v := index_view(gateway.url)) == 2 and v, "both engines followed")
+        rdb = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        by_url = {rdb.hget(f"{prefix}:worker:{w}", "url"): w for w in view}
+        model = engines[0].model
+        rng = random.Random(5)
+        agents = [" ".join(f"{name}{rng.randint(0, 999)}" for _ in range(300)) for name in ("plan", "code")]
+        for engine, system in zip(engines, agents, strict=True):  # each engine caches one agent's prompt
+            reply = httpx.post(f"{engine.url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+                "max_tokens": 1})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+            synced(gateway.url, by_url[engine.url], engine.url, model)
+        for k in range(4):
+            agent = k % 2
+            messages = [{"role": "system", "content": agents[agent]}, {"role": "user", "content": f"task {k}"}]
+            reply = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=120,
+                               json={"model": model, "messages": messages, "max_tokens": 4})  # fmt: skip
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-ampd-decode-worker"] == by_url[engines[agent].url], (k, reply.headers)
+            cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 250, (k, cached)  # the system prompt's blocks came from the cache
+    finally:
         if gateway is not None:
             gateway.stop()
         for engine in engines:

@@ -12,7 +12,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError, ResponseError
 
-from ampd.local_redis import free_port
+from ampd.local_redis import free_port, server_binary, start_private_redis
 from gateway.state.outage import REDIS_DOWN
 from gateway.state.redis_batch import PackedConnection, RedisBatch
 
@@ -173,6 +173,39 @@ def test_a_dropped_connection_and_a_caller_that_stops_reading_cost_no_reply(pref
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_callers_waiting_for_a_replica_together_share_one_wait(tmp_path):
+    """Six callers at once, each writing and then waiting for a replica (gateway.state.failover),
+    on a Redis without one: the first goes alone, the other five queued behind it go as one
+    pipeline with one WAIT - so the connection is held two timeouts, not six - and every
+    caller gets its own write's reply and the WAIT's."""
+    binary = server_binary()
+    assert binary is not None, "redis-server is needed (make installs it)"
+    server = start_private_redis(binary, free_port(), tmp_path)
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
+        batch = RedisBatch(client)
+
+        async def write(i: int) -> list:
+            pipe = client.pipeline(transaction=False)
+            pipe.set(f"k{i}", i)
+            pipe.wait(1, 300)
+            return await batch.pipeline(pipe)
+
+        try:
+            await client.config_resetstat()
+            assert await asyncio.gather(*(write(i) for i in range(6))) == [[True, 0]] * 6
+            assert (await client.info("commandstats"))["cmdstat_wait"]["calls"] == 2
+            assert await client.mget([f"k{i}" for i in range(6)]) == [str(i) for i in range(6)]
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
 
 
 @pytest.mark.unit

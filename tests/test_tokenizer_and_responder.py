@@ -134,7 +134,7 @@ def test_the_published_files_split_text_where_the_engine_does():
 
     from tokenizers import Tokenizer as Files
 
-    counter = Files.from_str(files()["tokenizer"])
+    counter = Files.from_str(files(1 << 16)["tokenizer"])
     rng = random.Random(2)
     pool = [chr(c) for c in range(0x2FFFF) if unicodedata.category(chr(c)) != "Cs"]
     common = [*"ab Z09_-!?.,;:\n\t\r  ", "<|end|>", "<tool_call>", "</tool_call>", "<|start|>", "  \n", "a_b"]
@@ -156,14 +156,16 @@ def test_a_gateway_counts_a_prompt_with_the_published_files_as_the_engine_counts
     from gateway.engines.model_tokenizer import ModelTokenizer
     from workers.sim.protocol import EngineError, TokenizeChatRequest, message_dicts
 
-    def engine(messages: list, tools: list | None) -> int | None:
+    vocab = Tokenizer(1 << 16)
+
+    def engine(messages: list, tools: list | None) -> list[int] | None:
         try:
             chat = TokenizeChatRequest.model_validate({"model": "m", "messages": messages, "tools": tools or None})
             text = render_chat(message_dicts(chat.messages), [t.model_dump(exclude_none=True) for t in chat.tools]
                                if chat.tools else None)  # fmt: skip
         except (ValidationError, ValueError, EngineError):
             return None
-        return len(Tokenizer(1 << 16).pieces(text))
+        return vocab.encode(text)
 
     rng = random.Random(3)
     words = ["hi", " there", "\n\n", "  ", "<|end|>", "<tool_call>", "東京", "1.5e3", "a_b", "\t", "!", "x" * 40,
@@ -190,7 +192,7 @@ def test_a_gateway_counts_a_prompt_with_the_published_files_as_the_engine_counts
     tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
     described = {"type": "function", "function": {"name": "s2", "description": "Find ünï", "parameters": {
         "type": "object", "properties": {"q": {"type": "string"}}}}}  # fmt: skip
-    counter = ModelTokenizer(files())
+    counter = ModelTokenizer(files(vocab.vocab_size))
     both = 0
     for _ in range(600):
         messages = [message() for _ in range(rng.randint(0, 6))]
@@ -198,8 +200,11 @@ def test_a_gateway_counts_a_prompt_with_the_published_files_as_the_engine_counts
         expected, counted = engine(messages, tools), counter.count(messages, tools)
         if expected is not None and counted is not None:
             both += 1
-            assert counted == expected, (messages, tools)
-            assert counter.count(messages, tools) == expected  # and again, from what it remembered
+            assert counted == len(expected), (messages, tools)
+            assert counter.count(messages, tools) == len(expected)  # and again, from what it remembered
+            # The ids too (what the KV index hashes blocks from): the engine's own, hashed from its pieces.
+            assert counter.token_ids(messages, tools) == expected, (messages, tools)
     assert both > 100
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert counter.count(plain, [tool]) == engine(plain, [tool])  # the common shapes are counted, not refused
+    expected = engine(plain, [tool])
+    assert expected is not None and counter.count(plain, [tool]) == len(expected)  # the common shapes are counted

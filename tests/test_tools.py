@@ -9,9 +9,13 @@ import time
 import uuid
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
 import redis
+from anthropic.types.beta import BetaMCPToolResultBlock, BetaMCPToolUseBlock, BetaTextBlock
+from openai.types.responses.response_output_item import McpCall
 
 from tests.engines import Engine, kill_group, sse_events, start_gateway, start_sim_worker, start_tools_worker, stop
 from tests.test_gateway import MODEL, REDIS_URL
@@ -73,7 +77,7 @@ HOSTILE = {
 def tools(tmp_path_factory):
     prefix = f"tools-{uuid.uuid4().hex[:8]}"
     worker = start_tools_worker(tmp_path_factory.mktemp("tools"), REDIS_URL, prefix, env={"AMPD_SECRET": SECRET})
-    runner = ToolRunner(REDIS_URL, prefix, queue_wait_s=20)
+    runner = ToolRunner(redis.Redis.from_url(REDIS_URL), prefix, queue_wait_s=20)
     yield prefix, worker, runner
     runner.close()
     kill_group(worker)
@@ -217,14 +221,112 @@ def test_streamed_tool_rounds_are_announced_and_hidden(stack):
     chunks = events[:-1]
     assert len({c["id"] for c in chunks}) == 1
     announced = [c["ampd_tool_round"] for c in chunks if "ampd_tool_round" in c]
-    assert announced == [
-        {"round": 1, "calls": [{"name": "calculator", "arguments": '{"expression": "6*7"}', "ok": True}]}
-    ]
+    call_id = announced[0]["calls"][0]["id"]
+    ran = {"id": call_id, "name": "calculator", "arguments": '{"expression": "6*7"}', "ok": True, "output": "42"}
+    assert call_id and announced == [{"round": 1, "calls": [ran]}]
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     assert not any(d["delta"].get("tool_calls") for d in deltas)
     assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["stop"]
     assert "".join(d["delta"].get("content") or "" for d in deltas).strip()
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 12
+
+
+# One round of two parallel calls, one the tool answers and one it refuses: what each API's client sees of both.
+ANSWERED, OUTPUT = "2**20 + 7", "1048583"
+REFUSED, ERROR = "1/0", "calculator error: division by zero"
+TWO_CALLS = {"server_tools": ["calculator"], "sim_script": {"rounds": [
+    {"tool_calls": [call("calculator", expression=ANSWERED), call("calculator", expression=REFUSED)]},
+    {"output_tokens": 6}]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_chat_clients_read_each_server_tools_output_or_error(stack, streamed):
+    client = openai.OpenAI(base_url=f"{stack[1].url}/v1", api_key="unused", max_retries=0)
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "2**20 + 7, and 1/0?"}], "extra_body": TWO_CALLS}
+    if streamed:
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        rounds = [c.model_extra["ampd_tool_round"] for c in chunks if "ampd_tool_round" in (c.model_extra or {})]
+        answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        reply = client.chat.completions.create(**ask)
+        rounds, answer = reply.model_extra["ampd_tool_rounds"], reply.choices[0].message.content
+    (tool_round,) = rounds
+    assert tool_round["round"] == 1 and answer
+    ran = [(c["name"], json.loads(c["arguments"]), c["ok"], c["output"]) for c in tool_round["calls"]]
+    assert ran == [("calculator", {"expression": ANSWERED}, True, OUTPUT), ("calculator", {"expression": REFUSED},
+                                                                               False, ERROR)]  # fmt: skip
+    assert len({c["id"] for c in tool_round["calls"]}) == 2
+
+
+def transcript_roles(prefix: str, session_id: str) -> list[str]:
+    transcript = redis.Redis.from_url(REDIS_URL).get(f"{prefix}:transcript:public:{session_id}")
+    return [m["role"] for m in json.loads(transcript)]
+
+
+# The engine's transcript once a client sent the two calls' answer back and asked on: the gateway's calls kept.
+CONTINUED = ["user", "assistant", "tool", "tool", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_responses_clients_read_server_tools_as_mcp_call_items(stack, streamed):
+    client = openai.OpenAI(base_url=f"{stack[1].url}/v1", api_key="unused", max_retries=0)
+    session = {"X-Session-Id": f"responses-{uuid.uuid4().hex}"}
+    ask = {"model": MODEL, "input": "2**20 + 7, and 1/0?", "extra_body": TWO_CALLS, "extra_headers": session}
+    if streamed:
+        with client.responses.stream(**ask) as stream:
+            kinds = [event.type for event in stream]
+            response = stream.get_final_response()
+        assert kinds.count("response.mcp_call.completed") == 1 and kinds.count("response.mcp_call.failed") == 1
+        assert kinds.index("response.mcp_call.failed") < kinds.index("response.output_text.delta")
+        stored = client.responses.retrieve(response.id)  # as it was streamed
+        assert stored.output[:2] == response.output[:2] and stored.output_text == response.output_text
+    else:
+        response = client.responses.create(**ask)
+    assert [item.type for item in response.output] == ["mcp_call", "mcp_call", "message"] and response.output_text
+    answered, refused = response.output[:2]
+    assert isinstance(answered, McpCall) and isinstance(refused, McpCall)
+    assert (answered.name, json.loads(answered.arguments), answered.server_label) == (
+        "calculator", {"expression": ANSWERED}, "ampd")  # fmt: skip
+    assert (answered.status, answered.output, answered.error) == ("completed", OUTPUT, None)
+    assert (refused.status, refused.output, refused.error) == ("failed", None, ERROR)
+    assert "ampd_tool_rounds" not in (response.model_extra or {})  # the items say it: no extension field besides
+    # The output sent back as input, as agents do: the gateway's own calls are skipped, the session goes on.
+    echoed = [item.model_dump(exclude_none=True) for item in response.output]
+    again = client.responses.create(model=MODEL, extra_headers=session, input=[
+        {"role": "user", "content": ask["input"]}, *echoed, {"role": "user", "content": "Thanks"}])  # fmt: skip
+    assert again.status == "completed" and again.output_text
+    assert transcript_roles(stack[0], session["X-Session-Id"]) == CONTINUED
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_messages_clients_read_server_tools_as_mcp_tool_blocks(stack, streamed):
+    client = anthropic.Anthropic(base_url=stack[1].url, api_key="unused", max_retries=0)
+    question = {"role": "user", "content": "2**20 + 7, and 1/0?"}
+    session = {"X-Session-Id": f"messages-{uuid.uuid4().hex}"}
+    ask = {"model": MODEL, "max_tokens": 64, "messages": [question], "extra_body": TWO_CALLS, "extra_headers": session}
+    if streamed:
+        with client.beta.messages.stream(**ask) as stream:
+            message = stream.get_final_message()
+    else:
+        message = client.beta.messages.create(**ask)
+    assert [b.type for b in message.content] == ["mcp_tool_use", "mcp_tool_result"] * 2 + ["text"]
+    uses, results = message.content[0:4:2], message.content[1:4:2]
+    assert all(isinstance(b, BetaMCPToolUseBlock) for b in uses)
+    assert all(isinstance(b, BetaMCPToolResultBlock) for b in results)
+    assert [(u.name, u.server_name, u.input) for u in uses] == [
+        ("calculator", "ampd", {"expression": ANSWERED}), ("calculator", "ampd", {"expression": REFUSED})]  # fmt: skip
+    assert [r.tool_use_id for r in results] == [u.id for u in uses] and len({u.id for u in uses}) == 2
+    assert [r.is_error for r in results] == [False, True]
+    texts = [r.content for r in results]
+    assert all(isinstance(t, list) and isinstance(t[0], BetaTextBlock) for t in texts)
+    assert [t[0].text for t in texts] == [OUTPUT, ERROR]
+    assert message.stop_reason == "end_turn" and message.content[-1].text
+    # The turn sent back whole, as agents do: the gateway's own blocks are skipped, the session goes on.
+    turn = {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}
+    again = client.beta.messages.create(model=MODEL, max_tokens=256, extra_headers=session,
+                                        messages=[question, turn, {"role": "user", "content": "Thanks"}])  # fmt: skip
+    assert again.stop_reason == "end_turn" and again.content[0].text
+    assert transcript_roles(stack[0], session["X-Session-Id"]) == CONTINUED
 
 
 def test_client_side_calls_in_the_same_turn_go_back_to_the_client(stack):

@@ -303,6 +303,7 @@ def gateways(vllm, tmp_path_factory) -> Iterator[tuple[str, str]]:
     _, _, prefix = vllm
     tmp = tmp_path_factory.mktemp("vllm-gateways")
     children = [start_gateway(tmp, REDIS_URL, prefix, "--policy", policy) for policy in ("disagg", "coloc")]
+    _logs.extend(sorted(tmp.glob("gateway-*.log")))  # what each gateway saw of the engines, for failure_context
     yield children[0].url, children[1].url
     for child in children:
         child.stop()

@@ -36,8 +36,13 @@ def queue_name(prefix: str) -> str:
 
 
 class ToolRunner:
-    def __init__(self, redis_url: str, prefix: str, queue_wait_s: float = 30.0, stale_after_s: float = 5.0) -> None:
-        self.connection = redis.Redis.from_url(redis_url)
+    """``connection``: a synchronous client of the deployment's Redis (its caller reads the
+    deployment's Redis URL: surface.redis_address, a layer this one does not import)."""
+
+    def __init__(
+        self, connection: redis.Redis, prefix: str, queue_wait_s: float = 30.0, stale_after_s: float = 5.0
+    ) -> None:
+        self.connection = connection
         self.queue = Queue(queue_name(prefix), connection=self.connection)
         self.queue_wait_s, self.stale_after_s = queue_wait_s, stale_after_s
         self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tool-wait")

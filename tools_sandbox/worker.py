@@ -22,22 +22,18 @@ from tools_sandbox.retrieval import corpus_dir, retrieve
 log = logging.getLogger(__name__)
 
 
-def work(redis_url: str, prefix: str) -> None:
-    """One worker, in this process, until stopped."""
+def work(connection: redis.Redis, prefix: str) -> None:
+    """One worker, in this process, until stopped; ``connection``: a client of the deployment's Redis."""
     print(f"python tool isolation: {isolation().describe()}", flush=True)
     retrieve("warm up", 1)  # build the index before forking, so every horse inherits it
     print(f"retrieve corpus: {corpus_dir()}", flush=True)
-    connection = redis.Redis.from_url(redis_url)
     worker = Worker([Queue(queue_name(prefix), connection=connection)], connection=connection,
                     job_monitoring_interval=1)  # fmt: skip
     worker.work(logging_level="WARNING")
 
 
 def run_workers(redis_url: str, prefix: str, count: int) -> int:
-    """``count`` workers as child processes (one in-process if ``count`` is 1)."""
-    if count == 1:
-        work(redis_url, prefix)
-        return 0
+    """``count`` workers as child processes, each an ``ampd tools-worker`` of its own."""
     command = [sys.executable, "-m", "ampd.cli", "tools-worker", "--redis-url", redis_url, "--redis-prefix", prefix]
     children = [subprocess.Popen(command) for _ in range(count)]
     try:

@@ -2,7 +2,9 @@
 
 The hot path: served straight from the ASGI call, off FastAPI's routing and middleware
 (gateway.apis.app.HotPath); the route is registered here all the same, so the OpenAPI
-document describes it and a plain FastAPI app serves it too.
+document describes it and a plain FastAPI app serves it too. Chat has no place for
+server-side tool calls: a completion lists them, with what each tool returned, in the
+extension field ``ampd_tool_rounds`` (a stream in ``ampd_tool_round`` chunks, gateway.tool_loop).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ async def chat_completions(request: Request) -> Response:
     if raw.get("stream"):
         return r.streaming(started.first, started.events, chat_failure, started)
     await r.finish(started)
-    return r.ok(started.client.completion(), started)
+    body = started.client.completion()
+    if started.ex.rounds:  # chat has no place for server-side tool calls: an extension field
+        body["ampd_tool_rounds"] = started.ex.rounds
+    return r.ok(body, started)
 
 
 def chat_failure(error: APIError) -> bytes:

@@ -13,14 +13,18 @@ function tools; ``tool_choice`` auto/any/tool/none is auto/required/a named
 function/none; ``stop_sequences`` is ``stop``; ``max_tokens`` (required) stays.
 ``metadata.user_id`` names the session when nothing else does (gateway.state.sessions).
 Fields the Messages API does not define (``server_tools``, ``sim_script``, ...) pass
-through. Errors have Anthropic's shape (:func:`error_body`). Everything here but the routes is pure.
+through. The server-side tool calls the gateway ran are ``mcp_tool_use`` blocks, each
+followed by its ``mcp_tool_result`` (the tool's text, ``is_error`` where it failed), as
+Anthropic gives the calls an MCP server ran; an assistant turn sent back with them has
+them skipped (the session's transcript holds them). Errors have Anthropic's shape
+(:func:`error_body`). Everything here but the routes is pure.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -29,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.apis.relay import joined, relay, translated, upstream_api_error
 from gateway.apis.schema import APIError, Origins, validation_error
 from gateway.engines.upstream import UpstreamError
+from gateway.tool_loop import SERVER_NAME, ToolRound
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -184,6 +189,8 @@ def _turn(message: Mapping[str, Any], where: str) -> tuple[list[dict[str, Any]],
             paths.append(at)
         elif kind in ("thinking", "redacted_thinking"):
             continue  # the engine's reasoning is not replayed to it
+        elif kind in ("mcp_tool_use", "mcp_tool_result") and role == "assistant":
+            continue  # a server-side tool call the gateway ran: the session's transcript holds it
         else:
             raise APIError(400, f"{at}: {kind!r} blocks are not supported in a {role} message", param="messages")
     out = list(results)
@@ -261,6 +268,20 @@ def content_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return blocks
 
 
+def mcp_blocks(rounds: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The server-side tool rounds the gateway ran (gateway.tool_loop.ToolRound) as
+    content blocks: each call an ``mcp_tool_use`` block, then its ``mcp_tool_result``."""
+    blocks: list[dict[str, Any]] = []
+    for tool_round in rounds:
+        for call in ToolRound.model_validate(tool_round).calls:
+            use_id = f"mcptoolu_{secrets.token_hex(12)}"
+            blocks.append({"type": "mcp_tool_use", "id": use_id, "name": call.name, "server_name": SERVER_NAME,
+                           "input": _input(call.arguments)})  # fmt: skip
+            blocks.append({"type": "mcp_tool_result", "tool_use_id": use_id, "is_error": not call.ok,
+                           "content": [{"type": "text", "text": call.output}]})  # fmt: skip
+    return blocks
+
+
 def _input(arguments: str) -> Any:
     try:
         return json.loads(arguments) if arguments else {}
@@ -298,12 +319,13 @@ def message_object(
     engine_stop: Any,
     stop_sequences: list[str] | None,
     chat_usage: Mapping[str, Any] | None,
+    tool_rounds: Iterable[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """An Anthropic ``message`` from the chat reply."""
+    """An Anthropic ``message`` from the chat reply, after the server-side tool rounds that led to it."""
     reason, sequence = stop_reason(finish_reason, engine_stop, stop_sequences, bool(message.get("tool_calls")))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": content_blocks(message), "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage(chat_usage)}  # fmt: skip
+            "content": mcp_blocks(tool_rounds) + content_blocks(message), "stop_reason": reason,
+            "stop_sequence": sequence, "usage": usage(chat_usage)}  # fmt: skip
 
 
 def sse(event: dict[str, Any]) -> bytes:
@@ -313,14 +335,15 @@ def sse(event: dict[str, Any]) -> bytes:
 class MessageEvents:
     """Anthropic's streaming events for one message, from chat chunks: text becomes a
     ``text`` block, each tool call a ``tool_use`` block whose input streams as
-    ``input_json_delta``; ``finish`` closes the open block and sends the stop reason
-    and usage in ``message_delta``, then ``message_stop``."""
+    ``input_json_delta``, each server-side tool round announced its ``mcp_tool_use`` and
+    ``mcp_tool_result`` blocks, whole (the tools have run by then); ``finish`` closes the
+    open block and sends the stop reason and usage in ``message_delta``, then ``message_stop``."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, stop_sequences: list[str] | None) -> None:
         self.message_id, self.model, self.input_tokens = message_id, model, input_tokens
         self.stop_sequences = stop_sequences
         self._blocks = 0  # blocks started so far
-        self._open: str | None = None  # "text" or "tool_use"
+        self._open: str | None = None  # the open block's type: "text", "tool_use" or an mcp block's
         self._calls: dict[int, int] = {}  # chat tool call index -> block index
         self._has_calls = False
 
@@ -341,6 +364,10 @@ class MessageEvents:
                 out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
             for call in delta.get("tool_calls") or []:
                 out += self._call(call)
+        if "ampd_tool_round" in chunk:
+            out += self._close()
+            for block in mcp_blocks([chunk["ampd_tool_round"]]):
+                out += [self._start_block(block, block["type"]), *self._close()]
         return out
 
     def _call(self, call: Mapping[str, Any]) -> list[bytes]:
@@ -406,7 +433,7 @@ async def messages(request: Request) -> Response:
         return r.streaming(b"".join(stream.start()), relayed, joined(stream.fail), started)
     await r.finish(started)
     body = message_object(message_id, started.model, client.message(), client.finish_reason, client.stop_reason,
-                          asked.stop_sequences, client.usage)  # fmt: skip
+                          asked.stop_sequences, client.usage, started.ex.rounds)  # fmt: skip
     return r.ok(body, started)
 
 

@@ -105,8 +105,6 @@ class Relay:
 
     def ok(self, body: dict[str, Any], started: Started) -> JSONResponse:
         self.gateway.metrics.requests.labels("200").inc()
-        if started.ex.rounds:
-            body["ampd_tool_rounds"] = started.ex.rounds
         return JSONResponse(body, headers=started.headers)
 
     def streaming(

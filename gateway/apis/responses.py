@@ -12,7 +12,10 @@ message) or a list of items - ``message`` items (``input_text``/``output_text``/
 shape become chat tools; ``max_output_tokens`` is ``max_tokens``; ``text.format`` is
 ``response_format``. Fields the Responses API does not define (``server_tools``,
 ``sim_script``, vLLM's sampling extras) pass through to the chat body, as they do
-on ``/v1/chat/completions``.
+on ``/v1/chat/completions``. The server-side tool calls the gateway ran are ``mcp_call``
+output items, as OpenAI gives the calls an MCP server ran: the tool's text in ``output``
+or, where it failed, in ``error``; as input they are skipped (the session's transcript
+holds them).
 
 ``previous_response_id``: every response the client lets the gateway store (``store``,
 true by default) is kept in Redis - the conversation as chat messages including the
@@ -29,7 +32,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import redis.asyncio as aioredis
@@ -40,6 +43,7 @@ from gateway.apis.relay import joined, relay, translated
 from gateway.apis.schema import APIError, Origins, validation_error
 from gateway.state.outage import REDIS_DOWN
 from gateway.state.sessions import canonical_message
+from gateway.tool_loop import SERVER_NAME, ToolRound
 
 # Fields of a Responses request that mean nothing to chat completions (or are mapped by hand).
 RESPONSES_ONLY = frozenset({
@@ -159,6 +163,8 @@ def input_messages(input_: str | list[dict[str, Any]]) -> tuple[list[dict[str, A
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _output_text(item.get("output"))})
         elif kind == "reasoning":
             continue  # the engine's reasoning is not replayed to it
+        elif kind == "mcp_call":
+            continue  # a server-side tool call the gateway ran: the session's transcript holds it
         else:
             raise APIError(400, f"{where}.type: input items of type {kind!r} are not supported", param="input")
         paths.append(where)
@@ -255,6 +261,18 @@ def output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def mcp_call_items(rounds: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The server-side tool rounds the gateway ran (gateway.tool_loop.ToolRound) as
+    ``mcp_call`` output items, one a call."""
+    return [
+        {"id": f"mcp_{secrets.token_hex(16)}", "type": "mcp_call", "status": "completed" if call.ok else "failed",
+         "server_label": SERVER_NAME, "name": call.name, "arguments": call.arguments,
+         "output": call.output if call.ok else None, "error": None if call.ok else call.output}
+        for tool_round in rounds
+        for call in ToolRound.model_validate(tool_round).calls
+    ]  # fmt: skip
+
+
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [] if status == "in_progress" else [_text_part(text)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
@@ -315,7 +333,8 @@ class ResponseEvents:
 
     ``start`` opens the response; ``feed`` turns each chat chunk into the output item,
     content part and delta events it implies (text becomes a ``message`` item, each
-    tool call a ``function_call`` item); ``finish`` closes what is open and completes the
+    tool call a ``function_call`` item, each server-side tool call announced an
+    ``mcp_call`` item); ``finish`` closes what is open and completes the
     response. Every event carries a ``sequence_number``."""
 
     def __init__(self, response_id: str, request: ResponsesRequest, model: str, created_at: int) -> None:
@@ -348,7 +367,29 @@ class ResponseEvents:
                 out += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or []:
                 out += self._call_delta(call)
+        if "ampd_tool_round" in chunk:
+            out += self._close()
+            for item in mcp_call_items([chunk["ampd_tool_round"]]):
+                out += self._mcp_call(item)
         return out
+
+    def _mcp_call(self, item: dict[str, Any]) -> list[bytes]:
+        """A server-side tool call's events, all at once: the gateway announces a call
+        once its tool has run."""
+        self.output.append(item)
+        index, item_id = self._index(), item["id"]
+        ended = "response.mcp_call.completed" if item["status"] == "completed" else "response.mcp_call.failed"
+        return [
+            self._event("response.output_item.added", output_index=index,
+                        item=dict(item, status="in_progress", arguments="", output=None, error=None)),
+            self._event("response.mcp_call.in_progress", item_id=item_id, output_index=index),
+            self._event("response.mcp_call_arguments.delta", item_id=item_id, output_index=index,
+                        delta=item["arguments"]),
+            self._event("response.mcp_call_arguments.done", item_id=item_id, output_index=index,
+                        arguments=item["arguments"]),
+            self._event(ended, item_id=item_id, output_index=index),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]  # fmt: skip
 
     def _index(self) -> int:
         return len(self.output) - 1
@@ -415,7 +456,8 @@ class ResponseEvents:
     def finish(self, usage: Mapping[str, Any] | None, finish_reason: str | None) -> list[bytes]:
         out = self._close()
         for item in self.output:  # any call left open by interleaved deltas
-            item["status"] = "completed"
+            if item["status"] == "in_progress":
+                item["status"] = "completed"
         self.final = self._response("completed", usage, finish_reason)
         kind = "response.completed" if self.final["status"] == "completed" else "response.incomplete"
         return [*out, self._event(kind, response=self.final)]
@@ -428,7 +470,8 @@ class ResponseEvents:
 
 # -- stored responses -------------------------------------------------------------------------
 
-ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+                 "mcp_call": "mcp"}  # fmt: skip
 
 
 def input_items(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -540,8 +583,9 @@ async def responses(request: Request) -> Response:
         relayed = translated(started, events.feed, lambda: remember(events.final), completed)
         return r.streaming(b"".join(events.start()), relayed, joined(events.fail), started)
     await r.finish(started)
-    body = response_object(response_id, asked, started.model, created, output_items(client.message()), "completed",
-                           client.usage, client.finish_reason)  # fmt: skip
+    output = mcp_call_items(started.ex.rounds) + output_items(client.message())
+    body = response_object(response_id, asked, started.model, created, output, "completed", client.usage,
+                           client.finish_reason)  # fmt: skip
     await remember(body)
     return r.ok(body, started)
 

@@ -18,7 +18,11 @@ replays the batches it still buffers from a requested seq on. So:
   engine no longer buffers it, or does not answer, the engine's view is dropped and
   rebuilt from what comes after;
 * a seq that goes back means the engine's publisher restarted (a new process, its
-  cache empty): the view is dropped and the new stream caught up from 0.
+  cache empty): the view is dropped and the new stream caught up from 0;
+* a publisher gone silent while its engine works (requests running at every scrape for
+  ``silent_s``, yet no batch: an engine fills blocks, so publishes, whenever it runs
+  requests) ages out: its view is dropped and the engine subscribed to afresh, as on
+  appearing; until a batch comes, nothing is matched against it.
 
 Dynamo's KV router (lib/llm/src/kv_router/subscriber.rs) and llm-d's kv-cache-manager
 (pkg/kvcache/kvevents/pool.go) subscribe the same way, per engine, to vLLM's ZMQ
@@ -32,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +54,7 @@ from surface.registry import WorkerInfo
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 5.0  # an engine's replay answer, whole; past it the view is rebuilt from the live stream
+SILENT_S = 30.0  # an engine running requests this long without publishing a batch: its publisher is gone
 SEQ_BYTES = 8
 
 Placement = Literal["apply", "skip", "gap", "restart"]
@@ -93,27 +99,43 @@ def read(frames: list[bytes]) -> tuple[int, wire.KVEventBatch] | None:
 
 class KVSubscriber:
     """Subscriptions to the pool's engines, feeding ``index``; ``malformed`` counts the
-    frames skipped, ``dropped`` the views dropped, by why (gap, restart, bound)."""
+    frames skipped, ``dropped`` the views dropped, by why (gap, restart, bound, silent)."""
 
-    def __init__(self, index: KVIndex, malformed: Counter, dropped: Family) -> None:
-        self.index, self.malformed, self.dropped = index, malformed, dropped
+    def __init__(self, index: KVIndex, malformed: Counter, dropped: Family, silent_s: float = SILENT_S) -> None:
+        self.index, self.malformed, self.dropped, self.silent_s = index, malformed, dropped, silent_s
         self._ctx = zmq.asyncio.Context()
         self._feeds: dict[str, tuple[WorkerInfo, asyncio.Task]] = {}
+        self._heard: dict[str, float] = {}  # when each engine's feed last applied a batch (or began)
+        self._idle: dict[str, float] = {}  # when each engine was last seen running no request
 
     # -- following the pool -------------------------------------------------------------
-    def follow(self, workers: Iterable[WorkerInfo]) -> None:
+    def follow(self, workers: Iterable[WorkerInfo], busy: Collection[str] = ()) -> None:
         """Subscribe to engines that appeared; unsubscribe from and forget those that left
-        (or now publish elsewhere: restarted on another port)."""
+        (or now publish elsewhere: restarted on another port), and those whose publisher
+        went silent while they worked (``busy``: the engines running requests now)."""
+        now = time.monotonic()
         wanted = {info.worker_id: info for info in workers if indexable(info)}
-        for engine, (info, task) in list(self._feeds.items()):
+        for engine, (info, _) in list(self._feeds.items()):
             if engine not in wanted or wanted[engine].kv_events != info.kv_events:
-                task.cancel()
-                del self._feeds[engine]
-                self.index.forget(engine)
+                self._unfollow(engine)
+            elif engine not in busy:
+                self._idle[engine] = now
+            elif now - max(self._heard[engine], self._idle[engine]) > self.silent_s:
+                log.warning("KV events of %s: none for %.0f s while it ran requests; subscribing afresh",
+                            engine, now - self._heard[engine])  # fmt: skip
+                self.dropped.labels("silent").inc()
+                self._unfollow(engine)
         for engine, info in wanted.items():
             if engine not in self._feeds:
                 self.index.track(engine, info.kv_capacity_tokens)
+                self._heard[engine] = self._idle[engine] = now
                 self._feeds[engine] = (info, asyncio.create_task(self._feed(info), name=f"kv-events-{engine}"))
+
+    def _unfollow(self, engine: str) -> None:
+        self._feeds.pop(engine)[1].cancel()
+        self._heard.pop(engine, None)
+        self._idle.pop(engine, None)
+        self.index.forget(engine)
 
     def hashing(self, engines: Iterable[str]) -> dict[str, Hashing]:
         """How each of ``engines`` followed, and seen storing a block, hashes a prompt."""
@@ -185,6 +207,7 @@ class KVSubscriber:
                 self._apply(info.worker_id, order, seq, batch)
 
     def _apply(self, engine: str, order: SeqOrder, seq: int, batch: wire.KVEventBatch) -> None:
+        self._heard[engine] = time.monotonic()
         if not self.index.apply(engine, batch):
             self.dropped.labels("bound").inc()
             log.warning("KV events of %s: more blocks than its KV capacity; view dropped", engine)

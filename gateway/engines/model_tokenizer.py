@@ -59,6 +59,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.remembered import Remembered
+from surface.hashed_vocab import CONFIG_KEY, piece_id
 
 CHECK_FIRST = 32  # counts of a model checked against its engine before sampling starts
 CHECK_EVERY = 256  # ... then one in this many
@@ -99,7 +100,8 @@ class ModelTokenizer:
         # Ids are wanted for the prompt's prefix-cache blocks: kept as 4-byte arrays, fewer of them.
         self._piece_ids = Remembered(self._encoded_ids, PIECE_IDS_KEPT)
         self._added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
-        self.gives_ids = _gives_ids(spec)
+        self._hashed_vocab = config.get(CONFIG_KEY)  # ids hashed from the pieces' texts (surface.hashed_vocab)
+        self.gives_ids = self._hashed_vocab is not None or _gives_ids(spec)
         # A session's messages come back every round: each is made over once, in each format.
         # The table holds the messages themselves, so it is kept smaller than the pieces' counts.
         self._message = {fmt: Remembered(functools.partial(_message, openai_format=fmt), MESSAGES_KEPT)
@@ -119,8 +121,8 @@ class ModelTokenizer:
     def token_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int] | None:
         """The prompt's token ids, as the engine prefills them: what its prefix-cache blocks
         are hashed from (gateway.engines.kv_index). None where the count is not known, or
-        the files give counts but no ids (a vocabulary of the unknown token alone: the
-        GPU-free engine's, workers.sim.tokenizer)."""
+        the files give counts but no ids (a vocabulary of the unknown token alone, unless
+        the config says the ids are hashed from the pieces: surface.hashed_vocab)."""
         if not self.gives_ids:
             return None
         text = self._render(messages, tools)
@@ -153,7 +155,7 @@ class ModelTokenizer:
         """``text``'s token ids, special tokens matched and none added: the pieces between
         added tokens encoded once each and remembered, as for the count."""
         if self._split is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
+            return list(self._encoded_ids(text))
         out: list[int] = []
         start = 0
         for match in self._split.finditer(text):
@@ -173,7 +175,10 @@ class ModelTokenizer:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def _encoded_ids(self, text: str) -> array[int]:
-        return array("I", self.tokenizer.encode(text, add_special_tokens=False).ids)
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        if self._hashed_vocab is None:
+            return array("I", encoding.ids)
+        return array("I", (piece_id(text[start:end], self._hashed_vocab) for start, end in encoding.offsets))
 
 
 # -- the request, as vLLM hands it to the template ------------------------------------------

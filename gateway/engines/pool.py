@@ -92,6 +92,7 @@ class WorkerPool:
         loads = await asyncio.gather(*(self.client.load(i.url) for i in infos), return_exceptions=True)
         assigned = await self._roles([i.worker_id for i in infos if i.role == "both"])
         fresh: dict[str, LiveWorker] = {}
+        left: dict[str, str] = {}  # why each worker the pool held drops out of it
         for info, load in zip(infos, loads, strict=True):
             if not isinstance(load, BaseException):
                 fresh[info.worker_id] = LiveWorker(info, load, assigned.get(info.worker_id))
@@ -102,8 +103,19 @@ class WorkerPool:
             slow = isinstance(load, UpstreamError) and not load.lost
             if known is not None and slow and now - self._scraped_at.get(info.worker_id, now) < SLOW_SCRAPE_GRACE_S:
                 fresh[info.worker_id] = LiveWorker(info, known.load, assigned.get(info.worker_id))  # busy, not gone
+            else:
+                left[info.worker_id] = f"its scrapes failed ({load!r})"
+        self._log_changes(fresh, left)
         self.workers = fresh
         self.arrivals.scraped(landed)
+
+    def _log_changes(self, fresh: dict[str, LiveWorker], left: dict[str, str]) -> None:
+        """Workers joining and leaving the pool, each once: an operator's (and a failing
+        test's) first question when a request finds no worker is which one left, and why."""
+        for worker_id in self.workers.keys() - fresh.keys():
+            log.warning("worker %s left the pool: %s", worker_id, left.get(worker_id, "no longer registered"))
+        for worker_id in fresh.keys() - self.workers.keys():
+            log.warning("worker %s joined the pool (%s)", worker_id, fresh[worker_id].info.url)
 
     async def _roles(self, worker_ids: list[str]) -> dict:
         """Roles the gateway assigned to engines that can take any (``both``); the last

@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 
 
 class ServedTokenizers:
-    """The served models' tokenizers (gateway.engines.model_tokenizer), loaded from Redis on
-    a model's first round, off its path: until one is loaded, and for a model whose
-    engines published no files (looked for again every ``RETRY_S``), ``count`` gives
-    None and the engine is asked."""
+    """The served models' tokenizers (gateway.engines.model_tokenizer), loaded from Redis
+    once the pool serves the model (or at its first round), off the rounds' path: until
+    one is loaded, and for a model whose engines published no files (looked for again
+    every ``RETRY_S``), ``count`` gives None and the engine is asked."""
 
     RETRY_S = 30.0
 
@@ -64,6 +64,13 @@ class ServedTokenizers:
         ``count``, which every round calls first."""
         tokenizer = self._models.get(model)
         return None if tokenizer is None else tokenizer.token_ids(messages, tools)
+
+    def prepare(self, models: list[str]) -> None:
+        """Start loading the files of models the pool serves, before their first round: a
+        placement by the engines' caches needs the first round's token ids too."""
+        for model in models:
+            if model not in self._models:
+                self._load_later(model)
 
     def _load_later(self, model: str) -> None:
         if model in self._distrusted or time.monotonic() - self._looked_at.get(model, -self.RETRY_S) < self.RETRY_S:

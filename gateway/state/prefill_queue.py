@@ -19,11 +19,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable
+from functools import partial
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from gateway.state import scripts
+from gateway.state.failover import Failover
 from gateway.state.leases import Leases
 from gateway.state.outage import REDIS_DOWN, RedisHealth
 from gateway.state.redis_batch import RedisBatch
@@ -57,8 +59,10 @@ class PrefillQueues:
         task_ttl_s: int,
         health: RedisHealth,
         postponements: Counter,
+        failover: Failover,
     ) -> None:
         self.redis, self.batch, self.p, self.core = redis, batch, prefix, core
+        self.failover = failover
         self.postponements = postponements  # Alg. 2 postponements decided by this replica
         self.slots, self.max_queue, self.task_ttl_s, self.health = slots, max_queue, task_ttl_s, health
         self.leases = Leases(redis, batch, prefix)
@@ -183,9 +187,10 @@ class PrefillQueues:
         task.add_done_callback(self._background.discard)
 
     async def finish(self, worker_id: str, task_id: str) -> None:
-        """The task's prefill is over: free its slot and start the next one."""
+        """The task's prefill is over: free its slot (kept through a failover, gateway.state.failover)
+        and start the next one."""
         try:
-            if await self.leases.free(worker_id, task_id):
+            if await self.failover.through(partial(self.leases.free, worker_id, task_id), "prefill queue"):
                 await self.dispatch(worker_id)
         except REDIS_DOWN as exc:  # the slot's lease lapses by itself
             self.health.failed("prefill queue", exc)

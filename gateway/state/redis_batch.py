@@ -19,6 +19,12 @@ back: they will be sent.
 
 With one thing out at a time the batch needs one connection and none of redis-py's
 command path: what it sends goes over a connection of its own (gateway.state.redis_channel).
+
+Callers that each end with the same ``WAIT`` (gateway.state.failover asks a replica to
+acknowledge a round's writes) share one, at the end of the pipeline they go in: a WAIT
+blocks the connection until replicas acknowledge everything written before it, or its
+timeout, so one answers for all of them - where a WAIT each would, with no replica
+answering, hold the connection a timeout per caller.
 """
 
 from __future__ import annotations
@@ -108,7 +114,7 @@ class RedisBatch:
 
     async def _execute(self, queued: list[tuple[list[Command], asyncio.Future[list[Any]]]]) -> None:
         try:
-            replies = await self.channel.send([command for commands, _ in queued for command in commands])
+            replies = await self._waiting_once([command for commands, _ in queued for command in commands])
         except DataError as exc:
             if len(queued) > 1:
                 # A caller's arguments Redis cannot take, found before anything was sent: the
@@ -128,6 +134,17 @@ class RedisBatch:
             if not future.done():
                 future.set_result(replies[at : at + len(commands)])
             at += len(commands)
+
+    async def _waiting_once(self, commands: list[Command]) -> list[Any]:
+        """``commands``' replies, the same WAITs among them sent as one, last (see the module docstring)."""
+        waits = [i for i, (args, _) in enumerate(commands) if args[0] == "WAIT"]
+        if len(waits) < 2 or any(commands[i] != commands[waits[0]] for i in waits):
+            return await self.channel.send(commands)
+        others = [command for command in commands if command[0][0] != "WAIT"]
+        *replies, acknowledged = await self.channel.send([*others, commands[waits[0]]])
+        for i in waits:  # ascending: each reply lands where its WAIT was
+            replies.insert(i, acknowledged)
+        return replies
 
 
 def _fail(queued: list[tuple[list[Command], asyncio.Future[list[Any]]]], exc: BaseException) -> None:

@@ -15,6 +15,11 @@ What it keeps of redis-py, because the rest of the gateway and its fault tests r
 * the connection is opened as the client's URL says - host and port, a unix socket or
   TLS, username and password, the database - with redis-py's own parsing of the URL and
   its TLS context; replies are decoded as the client decodes them;
+* for a primary Redis Sentinel manages (surface.redis_address), the address is the one
+  redis-py's sentinel-managed pool has the sentinels name each time the connection is
+  opened, so a connection opened again after a failover reaches the new primary; a
+  ``READONLY`` reply there means the primary was demoted under it (a switch-over), and
+  counts as a lost connection: a replica applies no write, so sending again is safe;
 * a reply is what redis-py gives for it: each command's response callback applied
   (``EXPIRE`` is a bool, ``HGETALL`` a dict), an error reply the exception redis-py
   raises for it (``NoScriptError`` for ``NOSCRIPT``), in its place among the replies;
@@ -37,7 +42,8 @@ import hiredis
 import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import ConnectionError, DataError, InvalidResponse
+from redis.asyncio.sentinel import SentinelManagedConnection
+from redis.exceptions import ConnectionError, DataError, InvalidResponse, ReadOnlyError
 
 Command = tuple[tuple[Any, ...], dict[str, Any]]  # redis-py's staged form: (args, options)
 
@@ -114,6 +120,7 @@ class RedisChannel:
         self._replies: _Replies | None = None
         self._connecting: asyncio.Task[_Replies] | None = None
         self._closed = False
+        self._address: tuple[str, int] | None = None  # where the open connection goes (TCP)
 
     async def send(self, commands: Sequence[Command]) -> list[Any]:
         """Each command's reply, or its error reply as an exception, in order; a
@@ -143,7 +150,28 @@ class RedisChannel:
         replies = self._replies
         if replies is None or replies.lost is not None:
             replies = await self._connected()
-        return await replies.send(data, count)
+        raw = await replies.send(data, count)
+        if self.managed and any(isinstance(reply, ReadOnlyError) for reply in raw):
+            _drop(replies, ConnectionError("the primary became a replica (a Sentinel switch-over)"))
+            raise replies.lost  # type: ignore[misc]
+        return raw
+
+    @property
+    def managed(self) -> bool:
+        """Whether the connection goes to a primary Redis Sentinel manages."""
+        return isinstance(self._like, SentinelManagedConnection)
+
+    @property
+    def connected_to(self) -> tuple[str, int] | None:
+        """The host and port the open connection goes to (TCP); None while none is open."""
+        replies = self._replies
+        return self._address if replies is not None and replies.lost is None else None
+
+    def drop(self, why: str) -> None:
+        """Give up the open connection (what waits on it fails): the next command opens
+        another, to the primary the sentinels name then."""
+        if self._replies is not None:
+            _drop(self._replies, ConnectionError(why))
 
     async def _connected(self) -> _Replies:
         """The open connection, opened by the first caller to need it; the others wait for it."""
@@ -165,7 +193,8 @@ class RedisChannel:
             transport, _ = await loop.create_unix_connection(lambda: replies, like.path)
         else:  # TCP_NODELAY, as asyncio sets it
             tls = like.ssl_context.get() if isinstance(like, SSLConnection) else None
-            transport, _ = await loop.create_connection(lambda: replies, like.host, like.port, ssl=tls)
+            self._address = await self._where()
+            transport, _ = await loop.create_connection(lambda: replies, *self._address, ssl=tls)
         replies.transport = transport  # uvloop may tell the protocol only a loop turn later
         handshake = _handshake(like)
         answers = await replies.send(b"".join(pack(c) for c in handshake), len(handshake)) if handshake else []
@@ -176,6 +205,13 @@ class RedisChannel:
             raise refused
         return replies
 
+    async def _where(self) -> tuple[str, int]:
+        """The server's host and port: the primary the sentinels name now, for a managed one."""
+        if self.managed:
+            host, port = await self._like.connection_pool.get_master_address()
+            return host, int(port)
+        return self._like.host, self._like.port
+
     def _parsed(self, reply: Any, args: tuple[Any, ...], options: dict[str, Any]) -> Any:
         """What redis-py's ``parse_response`` makes of a raw reply."""
         if isinstance(reply, Exception):
@@ -184,6 +220,13 @@ class RedisChannel:
         if callback is None:
             return reply
         return callback(reply, **{k: v for k, v in options.items() if k != "keys"})
+
+
+def _drop(replies: _Replies, why: ConnectionError) -> None:
+    """Give up a connection: what waits on it fails with ``why``, and it is closed."""
+    replies.connection_lost(why)
+    if replies.transport is not None:
+        replies.transport.abort()
 
 
 def _handshake(like: aioredis.Connection) -> list[tuple[Any, ...]]:

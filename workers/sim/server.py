@@ -85,7 +85,7 @@ async def _registered(w: SimWorker) -> AsyncIterator[None]:
         kv_hash_algo=HASH_ALGO,
         kv_hash_seed=config.kv_hash_seed,
     )
-    await publish_tokenizer(redis, config.redis_prefix, config.model_name, tokenizer_files())
+    await publish_tokenizer(redis, config.redis_prefix, config.model_name, tokenizer_files(w.tokenizer.vocab_size))
 
     def apply(target_ms: float) -> None:
         w.scheduler.keep_steps_to(target_ms / 1000)

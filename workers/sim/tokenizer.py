@@ -25,13 +25,14 @@ renders from a conversation as vLLM hands it to a template.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 import sys
 import unicodedata
 from collections.abc import Sequence
 from typing import Any
+
+from surface.hashed_vocab import CONFIG_KEY, FIRST_ORDINARY_ID, piece_id
 
 BOS = "<|begin_of_text|>"
 START = "<|start|>"
@@ -41,7 +42,6 @@ TOOL_CALL_CLOSE = "</tool_call>"
 SPECIAL_TOKENS = (BOS, START, END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 SPECIAL_IDS = {text: i + 1 for i, text in enumerate(SPECIAL_TOKENS)}
 EOS_ID = SPECIAL_IDS[END]
-_FIRST_ORDINARY_ID = 256
 _MAX_REMEMBERED = 1 << 20
 _BMP_END = 0xFFFF
 
@@ -108,7 +108,7 @@ def pieces_pattern() -> str:
 
 class Tokenizer:
     def __init__(self, vocab_size: int) -> None:
-        if vocab_size <= _FIRST_ORDINARY_ID:
+        if vocab_size <= FIRST_ORDINARY_ID:
             raise ValueError("vocab_size too small")
         self.vocab_size = vocab_size
         self._ids: dict[str, int] = dict(SPECIAL_IDS)
@@ -134,20 +134,20 @@ class Tokenizer:
         found = self._ids.get(piece)
         if found is not None:
             return found
-        digest = hashlib.blake2b(piece.encode(), digest_size=8).digest()
-        found = _FIRST_ORDINARY_ID + int.from_bytes(digest, "little") % (self.vocab_size - _FIRST_ORDINARY_ID)
+        found = piece_id(piece, self.vocab_size)
         if len(self._ids) >= _MAX_REMEMBERED:
             self._ids = dict(SPECIAL_IDS)
         self._ids[piece] = found
         return found
 
 
-def files() -> dict[str, Any]:
+def files(vocab_size: int) -> dict[str, Any]:
     """The tokenizer and chat template as a served model's files, in the form
     workers.vllm.tokenizer_files reads them from a model's folder: a ``tokenizer.json``
     that splits where :meth:`Tokenizer.pieces` does (a byte-level step after the split,
     which splits nothing, marks its pieces as independent of their neighbours, so a
-    gateway counts a conversation message by message), the special tokens, and
+    gateway counts a conversation message by message), the special tokens, a config
+    saying that a piece's id is the hash of its text (surface.hashed_vocab), and
     :data:`CHAT_TEMPLATE`."""
     from tokenizers import AddedToken, Regex, models, pre_tokenizers
     from tokenizers import Tokenizer as Files
@@ -160,7 +160,7 @@ def files() -> dict[str, Any]:
     counter.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return {
         "tokenizer": counter.to_str(),
-        "config": {"bos_token": BOS, "eos_token": END},
+        "config": {"bos_token": BOS, "eos_token": END, CONFIG_KEY: vocab_size},
         "chat_template": CHAT_TEMPLATE,
     }
 
