@@ -107,11 +107,15 @@ def bench_chaos(
     speed: Annotated[float, typer.Option(help="GPU-free workers run this many times faster")] = 2.0,
     rounds: Annotated[int, typer.Option(help="model calls per session")] = 3,
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
+    sentinel: Annotated[
+        bool, typer.Option(help="Redis as a primary, a replica and three sentinels; its fault kills the primary")
+    ] = False,
 ) -> None:
     """Agent sessions while decode/prefill/tools workers, Redis and gateway replicas are killed in turn."""
     from bench.chaos import run_chaos_bench
 
-    raise typer.Exit(run_chaos_bench(console, agents, minutes, interval_s, down_s, speed, rounds, out))
+    raise typer.Exit(run_chaos_bench(console, agents, minutes, interval_s, down_s, speed, rounds, out,
+                                     sentinel=sentinel))  # fmt: skip
 
 
 @bench_app.command("run")
@@ -494,12 +498,15 @@ def bench_placement(
     sessions: int = 1000,
     policy: PolicyOption = "ampd",
     scale: Annotated[float, typer.Option(help="SLO scale over the unloaded typical round")] = DEFAULT_SCALE,
-    seed: int = 0,
+    seeds: Annotated[
+        str, typer.Option(help="trace seeds, comma-separated: each runs every row; the knee is the first's")
+    ] = ("0,1,2"),
     out: Annotated[Path, typer.Option(help="JSON of the rows (a Markdown table goes beside it)")] = Path(
         "bench/results/placement/placement.json"
     ),
 ) -> None:
-    """Every placement rule (rounds.placement) x ITL rule on a shared-prefix agent trace at its knee (simulated)."""
+    """Every placement rule (rounds.placement) x ITL rule x trace seed, on a shared-prefix agent trace at its knee
+    (simulated)."""
     import time
 
     from bench import placement
@@ -513,20 +520,72 @@ def bench_placement(
     if workload not in WORKLOADS:
         raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
     rate_list = sorted(float(r) for r in rates.split(",") if r)
-    setup = placement.Setup(load_profile(profile), prefill, decode, workload, Agents(agents, tenants), sessions, seed,
-                            policy, scale)  # fmt: skip
+    try:
+        seed_list = [int(s) for s in seeds.split(",") if s]
+    except ValueError:
+        seed_list = []
+    if not seed_list:
+        raise fail(f"bad --seeds {seeds!r}: comma-separated integers")
+    setup = placement.Setup(load_profile(profile), prefill, decode, workload, Agents(agents, tenants), sessions,
+                            seed_list[0], policy, scale)  # fmt: skip
     started = time.perf_counter()
     with console.status("finding memory's knee"):
         rate = placement.knee(setup, rate_list) if len(rate_list) > 1 else rate_list[0]
-    with console.status(f"{len(rule_list) * 5} simulations at {rate:g} sessions/s"):
-        rows = placement.run_placement(setup, rate, rule_list)  # type: ignore[arg-type]
+    with console.status(f"{len(rule_list) * len(seed_list) * 5} simulations at {rate:g} sessions/s"):
+        rows = placement.run_placement(setup, rate, rule_list, seed_list)  # type: ignore[arg-type]
     title = (f"Placement on {profile}, {prefill} prefill + {decode} decode engines ({setup.gpus} GPUs), {workload} "
-             f"with {agents} agent types x {tenants} tenants, {sessions} sessions at {rate:g}/s, policy {policy} "
+             f"with {agents} agent types x {tenants} tenants, {sessions} sessions at {rate:g}/s, seeds {seeds}, "
+             f"policy {policy} "
              f"(simulated; {(time.perf_counter() - started) / 60:.0f} min on {os.cpu_count()} cores)")  # fmt: skip
     console.print(title)
     console.print(placement.table(rows))
     for path in placement.write(out, rows, setup, rate, title):
         console.print(f"wrote {path}")
+
+
+@bench_app.command("peers")
+def bench_peers(
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated, of ampd-<placement> (memory, ampd, dynamo-kv, llmd-prefix, sglang-cache), "
+            "vllm-router, sglang-router, smg, dynamo"
+        ),
+    ] = "ampd-memory,ampd-ampd,vllm-router,sglang-router,dynamo",
+    sessions: Annotated[int, typer.Option(min=1, help="agent sessions in the trace")] = 60,
+    rate: Annotated[float, typer.Option(help="sessions per modelled second (Poisson)")] = 0.25,
+    agents: Annotated[int, typer.Option(min=1, help="agent types")] = 12,
+    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas")] = 2,
+    workload: str = "toolbench",
+    engines: Annotated[int, typer.Option(min=1, help="GPU-free engines, all on one core")] = 3,
+    num_blocks: Annotated[int, typer.Option(min=1, help="KV blocks per engine")] = 10_625,
+    block_size: int = 16,
+    max_model_len: int = 40_960,
+    profile: Annotated[str, typer.Option(help="the engines' profile")] = "llama-3.1-70b_h20_tp4",
+    speed: Annotated[float, typer.Option(help="the engines run this many times faster than the profile")] = 5.0,
+    scale: Annotated[float, typer.Option(help="SLO scale over the unloaded mean round")] = DEFAULT_SCALE,
+    rules: Annotated[str, typer.Option(help="ITL rules, comma-separated: mean, p95, max")] = "mean,p95",
+    policy: Annotated[str, typer.Option(help="the ampd gateway's policy")] = "coloc",
+    prefill_slots: Annotated[int, typer.Option(min=1, help="the ampd gateway's --prefill-slots")] = 1,
+    seed: int = 0,
+    out: Annotated[Path | None, typer.Option(help="JSON of the rows (a Markdown table goes beside it)")] = Path(
+        "bench/results/peers/peers.json"
+    ),
+) -> None:
+    """ampd against vllm-router, SGLang's gateway and Dynamo, live on the same GPU-free engines and agent trace."""
+    from bench.peers import PeersSetup, run_peers_bench
+    from perfmodel.slo import ITL_RULES
+    from planner.trace import WORKLOADS
+
+    rule_list = tuple(r for r in rules.split(",") if r)
+    if not rule_list or any(r not in ITL_RULES for r in rule_list):
+        raise fail(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
+    if workload not in WORKLOADS:
+        raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    setup = PeersSetup(engines, sessions, rate, workload, agents, tenants, seed, profile, speed, num_blocks,
+                       block_size, max_model_len, scale, policy, prefill_slots, rule_list)  # type: ignore[arg-type]  # fmt: skip
+    console.width = max(console.width, 130)
+    raise typer.Exit(run_peers_bench(console, setup, [a for a in arms.split(",") if a], out))
 
 
 @bench_app.command("elastic")

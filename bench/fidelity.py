@@ -41,7 +41,7 @@ from rich.table import Table
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn, spawn_gateway, wait_healthy
 from ampd.stack import STATE_DIR
-from bench.replay import LiveRound, VllmDialect, replay
+from bench.replay import LiveRound, VllmDialect, replay_sessions
 from perfmodel.profile import Profile, load_profile
 from perfmodel.slo import ITL_RULES, SLO, ItlRule, derived_slo
 from perfmodel.specs import GPUSpec, ModelSpec
@@ -460,7 +460,7 @@ def _live_run(
     url: str, trace: list[TraceSession], letters: tuple[int, ...], salt: str
 ) -> tuple[dict[str, float | None], dict[str, list[dict]]]:
     """The trace replayed live; its figures, and the rounds as the gateway recorded them."""
-    rounds = asyncio.run(replay(url, trace, 1.0, dialect=VllmDialect(letters, salt)))
+    rounds, _ = asyncio.run(replay_sessions(url, trace, 1.0, dialect=VllmDialect(letters, salt), tolerate=False))
     records = asyncio.run(_records(url, trace))
     served = {r["decode_worker"] for rs in records.values() for r in rs}
     if not all(w.startswith("vllm-") for w in served):

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,11 +38,9 @@ from rich.table import Table
 from ampd.local_redis import delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, tree_total, wait_healthy
 from bench.gateway import drive, percentile_ms
+from bench.peer_venvs import REQUIREMENTS, ensure_venv
 from bench.relay import relay_argv
 
-VENVS = Path("bench/venvs")
-# The versions this benchmark was run with; a venv is reused while its marker matches.
-REQUIREMENTS = {"litellm": "litellm[proxy]==1.106.2", "vllm-router": "vllm-router==0.1.17"}
 ARMS = ("direct", "ampd", "relay", "litellm", "vllm-router")
 GATEWAY_ARM = re.compile(r"ampd(?:-x([1-9][0-9]*))?")  # ampd, or ampd-xN: N gateway processes
 
@@ -96,21 +93,6 @@ PEER_ENV = {"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "DISABLE_SCHEM
             "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true", "HF_HUB_OFFLINE": "1",
             "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # fmt: skip
 HEALTH = {"ampd": "/readyz", "litellm": "/health/liveliness", "vllm-router": "/health", "relay": "/health"}
-
-
-def ensure_venv(peer: str) -> Path:
-    """The peer's venv, installed on first use; raises RuntimeError with pip's words if not."""
-    venv, requirement = VENVS / peer, REQUIREMENTS[peer]
-    marker = venv / ".installed"
-    if marker.exists() and marker.read_text() == requirement:
-        return venv
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", requirement], capture_output=True,
-                          text=True)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"pip install {requirement} failed: {done.stderr.strip()[-600:]}")
-    marker.write_text(requirement)
-    return venv
 
 
 # -- results (pure) --------------------------------------------------------------------------
@@ -338,7 +320,7 @@ def run_overhead_bench(
         out.parent.mkdir(parents=True, exist_ok=True)
         data = {
             "requests_per_stream": requests, "output_tokens": output_tokens, "tool_rounds": tool_rounds,
-            "requirements": REQUIREMENTS,
+            "requirements": {peer: REQUIREMENTS[peer] for peer in ("litellm", "vllm-router")},
             "load_average_before": load, "load_average_after": os.getloadavg(),
             "levels": [asdict(x) for x in results], "overheads": [asdict(x) for x in rows], "failures": failures,
         }  # fmt: skip

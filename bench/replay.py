@@ -13,15 +13,26 @@ asks its engine for exactly the trace's work is the engines' :class:`Dialect`:
   only among letters and the space (``allowed_token_ids``) makes the reply text the
   tokens it was generated as, so the next round's prompt extends the last one's prompt
   and output exactly, as an agent's conversation does; an n-letter text is n tokens.
-  Random weights call no tools, so the answer is a user message.
+  Random weights call no tools, so the answer is a user message;
+* the GPU-free engine behind routers that must see nothing of ours (:class:`LengthDialect`):
+  ``max_tokens`` with ``ignore_eos`` - fields every OpenAI-compatible router forwards - make
+  the output length the trace's; no tools, so every delta is one token and a client times
+  each gap between tokens; the answer is a user message.
+
+A session of an agent population (``TraceSession.prefix``) opens with its shared prefix as
+a system message: each segment's text is fixed by its key (``Dialect.shared``), so every
+session of the agent, in any run, sends the same leading tokens, and an engine that holds
+them computes only the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import string
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -69,6 +80,10 @@ class Dialect(Protocol):
         """``n`` tokens of text unique to the session's round."""
         ...
 
+    def shared(self, key: str, n: int) -> str:
+        """``n`` tokens of text fixed by ``key``: a shared prefix segment's."""
+        ...
+
     def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
         """The round's chat request (streamed, with usage)."""
         ...
@@ -78,11 +93,20 @@ class Dialect(Protocol):
         ...
 
 
+def shared_words(key: str, n: int) -> str:
+    """``n`` tokens of text fixed by ``key`` (one word = one token for the sim tokenizer)."""
+    stem = re.sub(r"[^a-z0-9]", "", key.lower()) or "p"
+    return " ".join(f"{stem}w{i}" for i in range(n))
+
+
 class SimDialect:
     """The GPU-free engine's: a scripted reply and a tool result (module docstring)."""
 
     def text(self, session: int, round_index: int, n: int) -> str:
         return words(session, round_index, n)
+
+    def shared(self, key: str, n: int) -> str:
+        return shared_words(key, n)
 
     def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
         return {"messages": messages, "tools": [TOOL], "stream": True, "sim_script": _script(session),
@@ -103,7 +127,14 @@ class VllmDialect:
     salt: str = ""
 
     def text(self, session: int, round_index: int, n: int) -> str:
-        rng = random.Random(f"{self.salt}:{session}:{round_index}")
+        return self._letters(f"{self.salt}:{session}:{round_index}", n)
+
+    def shared(self, key: str, n: int) -> str:
+        return self._letters(f"{self.salt}:shared:{zlib.crc32(key.encode())}", n)
+
+    @staticmethod
+    def _letters(seed: str, n: int) -> str:
+        rng = random.Random(seed)
         return "".join(" " if i % 6 == 5 else rng.choice(string.ascii_lowercase) for i in range(n))
 
     def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
@@ -113,6 +144,38 @@ class VllmDialect:
 
     def answer(self, reply: dict, text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
+
+
+@dataclass(frozen=True)
+class LengthDialect:
+    """The GPU-free engine's, asked only in fields any OpenAI-compatible router forwards
+    (module docstring): the trace's output length by ``max_tokens`` and ``ignore_eos``."""
+
+    model: str
+
+    def text(self, session: int, round_index: int, n: int) -> str:
+        return words(session, round_index, n)
+
+    def shared(self, key: str, n: int) -> str:
+        return shared_words(key, n)
+
+    def body(self, messages: list[dict], session: TraceSession, round_index: int) -> dict:
+        return {"model": self.model, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
+                "max_tokens": session.rounds[round_index].output_tokens, "ignore_eos": True}  # fmt: skip
+
+    def answer(self, reply: dict, text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+
+def opening(dialect: Dialect, index: int, session: TraceSession) -> list[dict]:
+    """The first round's messages: the shared prefix (a system message of its segments'
+    texts) and then the session's own text, the trace's tokens between them."""
+    first = session.rounds[0].input_tokens
+    if not session.prefix:
+        return [{"role": "user", "content": dialect.text(index, 0, first)}]
+    system = " ".join(dialect.shared(segment.key, segment.tokens) for segment in session.prefix)
+    own = dialect.text(index, 0, max(1, first - session.prefix_tokens))
+    return [{"role": "system", "content": system}, {"role": "user", "content": own}]
 
 
 def _script(session: TraceSession) -> dict:
@@ -195,7 +258,7 @@ async def _session(
     dialect: Dialect,
 ) -> list[LiveRound]:
     await asyncio.sleep(max(0.0, start + session.arrival_s / speed - time.perf_counter()))
-    messages: list[dict] = [{"role": "user", "content": dialect.text(index, 0, session.rounds[0].input_tokens)}]
+    messages = opening(dialect, index, session)
     out: list[LiveRound] = []
     for k, spec in enumerate(session.rounds):
         got = await stream_round(client, url, dialect.body(messages, session, k), session.session_id)
@@ -218,24 +281,36 @@ async def _session(
     return out
 
 
-async def replay(
+async def replay_sessions(
     url: str,
     sessions: Sequence[TraceSession],
     speed: float,
     on_round: Callable[[LiveRound], None] = lambda _: None,
     dialect: Dialect | None = None,
-) -> list[LiveRound]:
+    tolerate: bool = True,
+) -> tuple[list[LiveRound], dict[str, str]]:
     """Every session of the trace against the gateway at ``url``, asked in the engines'
     ``dialect`` (the GPU-free engine's by default); ``on_round`` hears of each round as it
-    completes (a progress bar)."""
+    completes (a progress bar). The rounds completed, and each failed session's error by
+    its id: with ``tolerate``, a session whose round fails stops there and the others go
+    on; without, the first failure is raised."""
     dialect = dialect or SimDialect()
+    done: list[LiveRound] = []
+
+    def heard(r: LiveRound) -> None:
+        done.append(r)
+        on_round(r)
+
     async with agent_client(len(sessions) + 8) as client:
         start = time.perf_counter() + 0.5
         first = min(s.arrival_s for s in sessions)
         shifted = [s.model_copy(update={"arrival_s": s.arrival_s - first}) for s in sessions]
-        runs = (_session(client, url, i, s, speed, start, on_round, dialect) for i, s in enumerate(shifted))
-        results = await asyncio.gather(*runs)
-    return [r for rounds in results for r in rounds]
+        runs = (_session(client, url, i, s, speed, start, heard, dialect) for i, s in enumerate(shifted))
+        results = await asyncio.gather(*runs, return_exceptions=tolerate)
+    failures = {s.session_id: f"{type(r).__name__}: {r}"[:300] for s, r in zip(sessions, results, strict=True)
+                if isinstance(r, BaseException)}  # fmt: skip
+    order = {s.session_id: i for i, s in enumerate(sessions)}
+    return sorted(done, key=lambda r: (order[r.session_id], r.round)), failures
 
 
 Tails = dict[tuple[str, int], tuple[float | None, float | None]]  # (session, round) -> (P95 gap, longest gap)

@@ -29,7 +29,7 @@ from rich.table import Table
 from ampd.local_redis import NoRedis, delete_prefix, ensure_redis
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.stack import STATE_DIR
-from bench.replay import LiveRound, read_back, replay, with_gateway_tails
+from bench.replay import LiveRound, read_back, replay_sessions, with_gateway_tails
 from perfmodel.profile import load_profile
 from perfmodel.slo import SLO, ItlRule, derived_slo
 from planner.plan import role_plan_json
@@ -187,7 +187,9 @@ def run_bench(console: Console, trace: Sequence[TraceSession], label: str, setup
             if config.initial_prefill:
                 _first_roles(url, redis_url, config.initial_prefill)
             started = time.perf_counter()
-            rounds = asyncio.run(replay(url, trace, setup.speed, on_round=lambda _: progress.advance(task)))
+            rounds, _ = asyncio.run(
+                replay_sessions(url, trace, setup.speed, lambda _: progress.advance(task), tolerate=False)
+            )
             wall = time.perf_counter() - started
             lost, duplicated, split, tails = asyncio.run(read_back(url, trace))
             rounds = with_gateway_tails(rounds, tails)

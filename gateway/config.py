@@ -94,11 +94,6 @@ class GatewayConfig(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0)
     scrape_interval_s: float = Field(default=1.0, gt=0)
     static_workers: tuple[StaticWorker, ...] = ()
-    kv_index: bool = Field(
-        default=True,
-        description="subscribe to every engine's KV events and index the prefix blocks each holds "
-        "(gateway.engines.kv_index)",
-    )
     served_model_names: tuple[str, ...] = Field(
         default=(),
         description="more names clients may call the engines' model by (as vLLM's --served-model-name); "
@@ -145,6 +140,13 @@ class GatewayConfig(BaseModel):
         if self.role_plan is not None and POLICIES[self.policy].elastic is None:
             raise ValueError(f"a role plan steers an elastic policy, not {self.policy!r}")
         return self
+
+    @property
+    def kv_index(self) -> bool:
+        """Whether the replica subscribes to the engines' KV events and indexes the prefix
+        blocks each holds (gateway.engines.kv_index): where its placement reads them. Under
+        ``memory`` nothing reads them, and their ingestion would cost every request's CPU."""
+        return self.placement != "memory"
 
     def slo(self, profile: Profile, speed: float) -> SLO:
         """The SLO rounds decoded on an engine of ``profile`` at ``speed`` are judged by: the

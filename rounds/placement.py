@@ -9,8 +9,8 @@ returns a worker id, as llm-d's scheduling plugins take one request and score en
 * ``memory``: the engine with the most free KV, AMPD's binding as published
   (rounds.binding.choose_decode_worker; the engines' caches are not consulted);
 * ``ampd``: AMPD's own cost with the true cached prefix - Eq. 1's t_pre(l_hist, l_incr)
-  plus the engine's queue, with l_hist the tokens that engine caches - among the
-  engines whose KV use is within :data:`KV_SLACK` of the least used;
+  plus the engine's queue, with l_hist the tokens that engine caches - beside the
+  engine's KV use (:func:`ampd`);
 * ``dynamo-kv``: Dynamo's KV router cost (:func:`dynamo_kv`);
 * ``llmd-prefix``: llm-d's precise prefix-cache scorer with its queue and KV-utilisation
   scorers and the max-score picker (:func:`llmd_prefix`);
@@ -30,11 +30,11 @@ Placement = Literal["memory", "ampd", "dynamo-kv", "llmd-prefix", "sglang-cache"
 PLACEMENTS: tuple[Placement, ...] = get_args(Placement)
 Pool = Literal["decode", "prefill"]
 
-# ``ampd`` takes the cheapest engine by Eq. 1 only among those whose expected KV use is
-# at most this much above the least used one's: Eq. 1 prices the round's prefill, not
-# the decoding that the session then adds to the engine, so without a bound every
-# session of one agent type would pile onto the engine that cached its prompt.
-KV_SLACK = 0.1
+# ``ampd``'s weight on an engine's KV use beside its Eq. 1 estimate (relative to the
+# costliest engine's): Eq. 1 prices the round's prefill, not the decoding the session then
+# adds to the engine, so without it every session of one agent type would pile onto the
+# engine that cached its prompt. Chosen among 0.25-2 on the placement bench's traces.
+KV_WEIGHT = 0.5
 
 # Dynamo's default ``--kv-overlap-score-weight`` (ai-dynamo/dynamo docs/router/README.md,
 # "Cost Function"; lib/llm/src/kv_router/scheduler.rs, DefaultWorkerSelector::select_worker).
@@ -90,13 +90,20 @@ def memory(ctx: PlacementContext) -> str:
 
 
 def ampd(ctx: PlacementContext) -> str:
-    """AMPD's Eq. 1 with l_hist the engine's true cached prefix, its queue included,
-    among the engines with KV room (:data:`KV_SLACK`). A remote prefill's engine is not
-    placed here: Alg. 1 itself takes the cheapest by Eq. 2 over every prefill engine, each
-    with its true cached prefix (rounds.core.RoundCore.plan)."""
-    floor = min(e.kv_usage for e in ctx.engines)
-    roomy = [e for e in ctx.engines if e.kv_usage <= floor + KV_SLACK]
-    return min(roomy, key=lambda e: (e.estimate_s, e.kv_usage, e.worker_id)).worker_id
+    """The least of AMPD's Eq. 1 with l_hist the engine's true cached prefix, its queue
+    included, taken relative to the costliest engine's, plus :data:`KV_WEIGHT` times the
+    engine's KV use - the decode load and the room for later rounds that the session
+    joins there, which Eq. 1 does not price - among the engines the prompt's uncached
+    tokens fit in (all, where none has room). A remote prefill's engine is not placed
+    here: Alg. 1 itself takes the cheapest by Eq. 2 over every prefill engine, each with
+    its true cached prefix (rounds.core.RoundCore.plan)."""
+    roomy = [e for e in ctx.engines if e.kv_usage * e.kv_capacity_tokens + ctx.new_tokens(e) <= e.kv_capacity_tokens]
+    costliest = max(e.estimate_s for e in ctx.engines) or 1.0
+
+    def cost(e: EngineLoad) -> float:
+        return e.estimate_s / costliest + KV_WEIGHT * e.kv_usage
+
+    return min(roomy or ctx.engines, key=lambda e: (cost(e), e.kv_usage, e.worker_id)).worker_id
 
 
 def dynamo_kv(ctx: PlacementContext) -> str:

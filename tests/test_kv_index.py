@@ -216,7 +216,7 @@ def test_the_gateways_index_predicts_what_gpu_free_engines_take_from_their_cache
     gateway = None
     pub = zmq.Context.instance().socket(zmq.PUB)
     try:
-        gateway = start_gateway(tmp_path, REDIS_URL, prefix)
+        gateway = start_gateway(tmp_path, REDIS_URL, prefix, "--placement", "ampd")  # a placement that reads the index
         view = wait_for(lambda: len(v := index_view(gateway.url)) == 2 and v, "both engines followed")
         by_url = {}
         rdb = redis.Redis.from_url(REDIS_URL, decode_responses=True)
@@ -254,7 +254,7 @@ def test_the_gateways_index_predicts_what_gpu_free_engines_take_from_their_cache
         gateway.stop()
         salt, stored_meanwhile = uuid.uuid4().hex, list(range(300, 300 + 3 * BLOCK + 1))
         complete(engines[0].url, model, stored_meanwhile, salt)
-        gateway = start_gateway(tmp_path, REDIS_URL, prefix)
+        gateway = start_gateway(tmp_path, REDIS_URL, prefix, "--placement", "ampd")
         wait_for(lambda: (index_view(gateway.url, stored_meanwhile, salt).get(by_url[engines[0].url]) or {})
                  .get("cached_tokens") == 3 * BLOCK, "the restarted gateway's index to hold the blocks")  # fmt: skip
 

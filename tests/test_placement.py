@@ -39,12 +39,19 @@ def test_memory_takes_the_least_used_kv() -> None:
     assert memory(ctx(EngineLoad("b", kv_usage=0.2), EngineLoad("a", kv_usage=0.2))) == "a"  # ties by id
 
 
-def test_ampd_takes_the_cheapest_eq1_among_engines_with_kv_room() -> None:
-    cached = EngineLoad("a", cached_tokens=1520, kv_usage=0.15, estimate_s=0.2)
-    empty = EngineLoad("b", kv_usage=0.1, estimate_s=1.5)
-    assert ampd(ctx(cached, empty)) == "a"
-    full = EngineLoad("a", cached_tokens=1520, kv_usage=0.5, estimate_s=0.2)  # past KV_SLACK of the least used
+def test_ampd_weighs_eq1_against_kv_use_among_engines_with_room() -> None:
+    capacity = {"kv_capacity_tokens": 100_000}
+    cached = EngineLoad("a", cached_tokens=1520, kv_usage=0.15, estimate_s=0.2, **capacity)
+    empty = EngineLoad("b", kv_usage=0.1, estimate_s=1.5, **capacity)
+    assert ampd(ctx(cached, empty)) == "a"  # 0.13 + 0.5 x 0.15 against 1.0 + 0.5 x 0.1
+    # Eq. 1 alone would take the cached engine; its KV use outweighs a small saving.
+    close = EngineLoad("b", kv_usage=0.1, estimate_s=0.3, **capacity)
+    busy = EngineLoad("a", cached_tokens=1520, kv_usage=0.8, estimate_s=0.2, **capacity)
+    assert ampd(ctx(busy, close)) == "b"  # 0.67 + 0.4 against 1.0 + 0.05
+    # An engine the prompt's uncached tokens do not fit in is passed over, whatever it caches.
+    full = EngineLoad("a", cached_tokens=0, kv_usage=0.99, estimate_s=0.1, **capacity)
     assert ampd(ctx(full, empty)) == "b"
+    assert ampd(ctx(full)) == "a"  # ... unless no engine has room
 
 
 def test_dynamo_weighs_new_prefill_blocks_against_active_blocks() -> None:
@@ -82,7 +89,8 @@ def test_place_refuses_no_engines() -> None:
 
 def test_the_core_binds_a_new_session_where_its_prefix_is_cached() -> None:
     profile = load_profile("llama-3.1-70b_h20_tp4")
-    decoders = [DecodeCandidate("d0", 0.10, profile.kv_capacity_tokens), DecodeCandidate("d1", 0.12, 1)]
+    decoders = [DecodeCandidate("d0", 0.10, profile.kv_capacity_tokens),
+                DecodeCandidate("d1", 0.12, profile.kv_capacity_tokens)]  # fmt: skip
     workers = {d.worker_id: Candidate(d.worker_id, profile) for d in decoders}
     signals = Signals({}, {}, cached_tokens={"d1": 9600})
     prompt = Prompt(10_000, workers, signals)

@@ -1,0 +1,110 @@
+"""`ampd bench peers`: the measures, the routers' command lines, the shared-prefix replay, and
+a tiny real run of ampd's placements and vllm-router (installed from PyPI) on GPU-free engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.peers import ArmRun, Counters, markdown, peer_argv, rows
+from bench.replay import LengthDialect, LiveRound, opening
+from perfmodel.slo import SLO
+from planner.trace import Agents, TraceRound, TraceSession, with_agents
+
+
+def _round(k: int, ttft_s: float, itl_s: float, p95_s: float) -> LiveRound:
+    return LiveRound("s", k, ttft_s, itl_s, p95_s, p95_s, 10)
+
+
+@pytest.mark.unit
+def test_rounds_are_judged_in_modelled_time_and_failed_or_lost_rounds_miss():
+    slo = SLO(ttft_s=1.0, itl_s=0.1)
+    done = [_round(0, 0.1, 0.01, 0.01), _round(1, 0.1, 0.01, 0.03), _round(2, 0.3, 0.01, 0.01)]
+    # x5: TTFT 0.5 / 0.5 / 1.5 s; mean gap 0.05 s everywhere; P95 gap 0.05 / 0.15 / 0.05 s
+    run = ArmRun("r", done, {"s2": "RuntimeError: 500"}, 6, Counters((100.0, 50.0), (30.0, 0.0), (3.0, 1.0)), 1.0)
+    mean, p95 = rows(run, slo, 5.0, ("mean", "p95"))
+    assert (mean.itl_rule, p95.itl_rule) == ("mean", "p95")
+    assert mean.attainment == pytest.approx(2 / 6) and p95.attainment == pytest.approx(1 / 6)
+    assert (mean.failed, mean.lost, mean.rounds) == (1, 2, 6)  # 6 rounds: 3 done, 1 failed, 2 never sent
+    assert mean.prefill_tokens == 120  # 150 prompt tokens less 30 from the prefix cache
+    assert mean.ttft_p50_ms == pytest.approx(500.0)
+    table = markdown([*rows(run, slo, 5.0, ("mean",))], {"dynamo": "no workers"})
+    assert "| r | mean | 33.3% | 500 / 1,400 | 120 | - | 1 / 2 |" in table
+    assert "dynamo could not be run: no workers" in table
+
+
+@pytest.mark.unit
+def test_the_routers_start_cache_aware_in_front_of_every_engine():
+    workers = ["http://e:1", "http://e:2"]
+    vllm = peer_argv("vllm-router", Path("/v"), 9000, workers, 9001)
+    assert vllm[0] == "/v/bin/vllm-router" and vllm[vllm.index("--policy") + 1] == "cache_aware"
+    assert vllm[vllm.index("--worker-urls") + 1 : vllm.index("--worker-urls") + 3] == workers
+    for peer in ("sglang-router", "smg"):
+        argv = peer_argv(peer, Path("/v"), 9000, workers, 9001)
+        assert argv[:2] == [f"/v/bin/{peer}", "launch"] and argv[argv.index("--policy") + 1] == "cache_aware"
+        assert argv[argv.index("--prometheus-port") + 1] == "9001"
+    with pytest.raises(ValueError, match="unknown peer"):
+        peer_argv("nginx", Path("/v"), 1, workers, 2)
+
+
+@pytest.mark.unit
+def test_sessions_of_one_agent_open_with_the_same_prefix_and_the_routers_own_fields_only():
+    plain = [TraceSession(session_id=f"s{i}", arrival_s=i, rounds=[TraceRound(input_tokens=40, output_tokens=7)])
+             for i in range(6)]  # fmt: skip
+    sessions = with_agents(plain, Agents(2, 1, system_tokens=(20, 20), tool_tokens=(30, 30)))
+    dialect = LengthDialect("m")
+    openings = [opening(dialect, i, s) for i, s in enumerate(sessions)]
+    by_agent: dict[str, set[str]] = {}
+    for s, messages in zip(sessions, openings, strict=True):
+        system, user = messages
+        assert system["role"] == "system" and len(system["content"].split()) == 50 == s.prefix_tokens
+        assert len(user["content"].split()) == 40  # the session's own tokens
+        by_agent.setdefault(s.prefix[0].key, set()).add(system["content"])
+    assert all(len(texts) == 1 for texts in by_agent.values())  # one prefix per agent type
+    body = dialect.body(openings[0], sessions[0], 0)
+    assert body["max_tokens"] == 7 and body["ignore_eos"] and "tools" not in body and "sim_script" not in body
+
+
+def _pypi_reachable() -> bool:
+    try:
+        return httpx.get("https://pypi.org/simple/vllm-router/", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_ampds_placements_and_vllm_router_run_live_on_a_trace_where_sharing_matters(tmp_path):
+    """Ten sessions of two agent types, arriving one after another, on three engines whose KV holds
+    dozens of sessions: placing by the cache computes fewer prompt tokens than placing by free
+    KV, which spreads each agent's sessions over the engines, each then computing its prompt
+    again. (With a KV that holds few sessions, ``ampd``'s KV bound spreads them too.)"""
+    out = tmp_path / "peers.json"
+    env = {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379/13"}
+    command = [sys.executable, "-m", "ampd.cli", "bench", "peers", "--arms", "ampd-memory,ampd-ampd,vllm-router",
+               "--sessions", "10", "--rate", "0.05", "--agents", "2", "--tenants", "1", "--speed", "10",
+               "--num-blocks", "46875", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    failures = data["failures"]
+    ran = {r["router"] for r in data["rows"]}
+    assert {"ampd-memory", "ampd-ampd"} <= ran, failures
+    rounds = data["trace"]["rounds"]
+    for row in data["rows"]:
+        assert row["prefill_tokens"] > 0 and row["failed"] == 0 and row["lost"] == 0, row
+        assert row["rounds"] == rounds and 0.0 <= row["attainment"] <= 1.0
+        assert row["ttft_p50_ms"] is not None and row["ttft_p95_ms"] >= row["ttft_p50_ms"]
+    by = {(r["router"], r["itl_rule"]): r for r in data["rows"]}
+    assert set(by) >= {(a, rule) for a in ("ampd-memory", "ampd-ampd") for rule in ("mean", "p95")}
+    assert by[("ampd-ampd", "mean")]["prefill_tokens"] < by[("ampd-memory", "mean")]["prefill_tokens"]
+    assert out.with_suffix(".md").read_text().count("| ampd-") == 4
+    if "vllm-router" not in ran:
+        if not _pypi_reachable():
+            pytest.skip(f"PyPI is unreachable, so vllm-router could not be installed: {failures.get('vllm-router')}")
+        pytest.fail(f"vllm-router did not run: {failures.get('vllm-router')}")
+    assert {("vllm-router", rule) for rule in ("mean", "p95")} <= set(by)
