@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
@@ -133,13 +134,9 @@ class SentinelRedis:
         """The primary's port, as every sentinel names it; None while they differ or do not answer."""
         named: set[int] = set()
         for port in self.sentinels:
-            client = redis.Redis(port=port, socket_timeout=1.0, decode_responses=True)
-            try:
-                address = client.sentinel_get_master_addr_by_name(SENTINEL_SERVICE)
-            except (redis.RedisError, OSError):
+            address = _ask(port, lambda c: c.sentinel_get_master_addr_by_name(SENTINEL_SERVICE), None)
+            if address is None:
                 return None
-            finally:
-                client.close()
             named.add(int(address[1]))
         return named.pop() if len(named) == 1 else None
 
@@ -220,14 +217,23 @@ def _start_sentinel(binary: tuple[str, str], port: int, primary: int, quorum: in
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def _info(port: int) -> dict:
+T = TypeVar("T")
+
+
+def _ask(port: int, call: Callable[[redis.Redis], T], failed: T) -> T:
+    """``call`` on a short-lived client of the local server (or sentinel) on ``port``;
+    ``failed`` where it does not answer."""
     client = redis.Redis(port=port, socket_timeout=1.0, decode_responses=True)
     try:
-        return client.info("replication")
+        return call(client)
     except (redis.RedisError, OSError):
-        return {}
+        return failed
     finally:
         client.close()
+
+
+def _info(port: int) -> dict:
+    return _ask(port, lambda c: c.info("replication"), {})
 
 
 def _role(port: int) -> str | None:
@@ -239,14 +245,8 @@ def _linked(port: int) -> bool:
 
 
 def _sees(port: int, replicas: int, others: int) -> bool:
-    client = redis.Redis(port=port, socket_timeout=1.0, decode_responses=True)
-    try:
-        state = client.sentinel_master(SENTINEL_SERVICE)
-    except (redis.RedisError, OSError):
-        return False
-    finally:
-        client.close()
-    return state["num-slaves"] >= replicas and state["num-other-sentinels"] >= others
+    state = _ask(port, lambda c: c.sentinel_master(SENTINEL_SERVICE), None)
+    return state is not None and state["num-slaves"] >= replicas and state["num-other-sentinels"] >= others
 
 
 def _wait(ready: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 import zmq
 
+from ampd.local_redis import delete_prefix
 from gateway.engines.kv_index import Hashing, KVIndex, cached_tokens, request_hashes
 from gateway.engines.kv_subscriber import SeqOrder, read
 from gateway.engines.model_tokenizer import ModelTokenizer
@@ -289,9 +290,7 @@ def test_the_gateways_index_predicts_what_gpu_free_engines_take_from_their_cache
             gateway.stop()
         for engine in engines:
             stop(engine)
-        r = redis.Redis.from_url(REDIS_URL)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        delete_prefix(REDIS_URL, prefix)
 
 
 def test_a_gateway_placing_by_the_index_binds_new_sessions_where_their_agents_prompt_is_cached(tmp_path: Path):
@@ -333,6 +332,4 @@ def test_a_gateway_placing_by_the_index_binds_new_sessions_where_their_agents_pr
             gateway.stop()
         for engine in engines:
             stop(engine)
-        r = redis.Redis.from_url(REDIS_URL)
-        for key in r.scan_iter(f"{prefix}:*"):
-            r.delete(key)
+        delete_prefix(REDIS_URL, prefix)
