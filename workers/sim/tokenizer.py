@@ -1,4 +1,4 @@
-"""A deterministic word-level tokenizer and the chat template of the GPU-free engine.
+r"""A deterministic word-level tokenizer and the chat template of the GPU-free engine.
 
 Its token counts are what ``/tokenize`` returns and what ``usage`` reports, so the
 gateway's l_hist / l_incr bookkeeping sees exactly what the engine's KV cache sees.
