@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -45,14 +46,36 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("engine logs", context()))
 
 
+TEST_DATABASE = "redis://127.0.0.1:6379/13"
+RUNS_KEY = "ampd-tests:runs"  # the pids of the test runs using the database now
+
+
 @pytest.fixture(scope="session", autouse=True)
 def clean_test_database(request):
-    """Everything the suite writes to Redis lives in its own database (13); empty it at the end,
-    rq's job and queue keys included. A run of ``unit`` tests alone touched no Redis: it
-    leaves the database to any other run going on."""
+    """Everything the suite writes to Redis lives in its own database (13); the last run to
+    end empties it, rq's job and queue keys included. Another run still going on this
+    machine (its pid alive) keeps it: emptying it under that run once took the workers'
+    registry and roles from its tests mid-way. A run of ``unit`` tests alone touches no
+    Redis and takes no part."""
+    if all(item.get_closest_marker("unit") is not None for item in request.session.items):
+        yield
+        return
+    db = redis.Redis.from_url(TEST_DATABASE)
+    db.sadd(RUNS_KEY, os.getpid())
     yield
-    if any(item.get_closest_marker("unit") is None for item in request.session.items):
-        redis.Redis.from_url("redis://127.0.0.1:6379/13").flushdb()
+    db.srem(RUNS_KEY, os.getpid())
+    if not any(_alive(int(pid)) for pid in db.smembers(RUNS_KEY)):
+        db.flushdb()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @pytest.fixture(autouse=True)
