@@ -255,7 +255,10 @@ class RoundCore:
             return choose_decode_worker(decoders), 0
         engines = [self._decode_load(d, prompt) for d in decoders]
         block_size = prompt.workers[decoders[0].worker_id].block_size
-        worker_id = place(self.placement, PlacementContext("decode", prompt.l_total, block_size, engines))
+        disaggregated = self.policy.uses_prefill_workers and not self.policy.unified
+        worker_id = place(
+            self.placement, PlacementContext("decode", prompt.l_total, block_size, engines, disaggregated)
+        )
         return worker_id, next(e.cached_tokens for e in engines if e.worker_id == worker_id)
 
     @staticmethod

@@ -45,12 +45,15 @@ DYNAMO_OVERLAP_WEIGHT = 1.0
 # queue-scorer 2, kv-cache-utilization-scorer 2, max-score-picker.
 LLMD_PREFIX_WEIGHT, LLMD_QUEUE_WEIGHT, LLMD_KV_WEIGHT = 3.0, 2.0, 2.0
 
-# SGLang's router defaults (sgl-project/sglang sgl-router/src/policies/cache_aware.rs,
-# CacheAwareConfig::default): the least match ratio to follow the cache, and the load gap
-# (absolute, in requests, and relative) past which it balances load instead.
-SGLANG_CACHE_THRESHOLD = 0.5
-SGLANG_BALANCE_ABS = 32
-SGLANG_BALANCE_REL = 1.0001
+# SGLang's router as users launch it (the defaults of ``--cache-threshold``,
+# ``--balance-abs-threshold`` and ``--balance-rel-threshold`` in sglang-router's and smg's
+# launchers: sglang_router/router_args.py, RouterArgs, in sglang-router 0.3.2; the Rust
+# CacheAwareConfig::default is 0.5, 32 and 1.0001): the least match ratio to follow the
+# cache, and the load gap (absolute, in requests, and relative) past which it balances
+# load instead.
+SGLANG_CACHE_THRESHOLD = 0.3
+SGLANG_BALANCE_ABS = 64
+SGLANG_BALANCE_REL = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,10 @@ class PlacementContext:
     prompt_tokens: int
     block_size: int
     engines: Sequence[EngineLoad]
+    # Prompts prefill on engines of their own (prefill/decode disaggregation), so a decode
+    # engine's cache is not what a session's prompts are computed against; False where the
+    # engine a session is bound to prefills its rounds.
+    disaggregated: bool = False
 
     def new_tokens(self, engine: EngineLoad) -> int:
         """The prompt tokens ``engine`` would compute: those its cache lacks."""
@@ -163,9 +170,10 @@ def sglang_cache(ctx: PlacementContext) -> str:
     ``balance_abs_threshold`` and max above ``balance_rel_threshold`` times min - the least
     loaded; else the engine with the longest cached match if it covers more than
     ``cache_threshold`` of the prompt, else the least loaded. Under prefill/decode
-    disaggregation it places prefills so, and decodes by load alone."""
+    disaggregation it places prefills so, and decodes by load alone; where the engines
+    prefill what they decode, a session's engine is placed by its cache too."""
     least_loaded = min(ctx.engines, key=lambda e: (e.running, e.worker_id)).worker_id
-    if ctx.pool == "decode":
+    if ctx.pool == "decode" and ctx.disaggregated:
         return least_loaded
     loads = [e.running for e in ctx.engines]
     if max(loads) - min(loads) > SGLANG_BALANCE_ABS and max(loads) > SGLANG_BALANCE_REL * min(loads):

@@ -14,6 +14,7 @@ from rounds.binding import DecodeCandidate
 from rounds.core import Candidate, Prompt, RoundCore, SessionState, Signals
 from rounds.placement import (
     SGLANG_BALANCE_ABS,
+    SGLANG_CACHE_THRESHOLD,
     EngineLoad,
     PlacementContext,
     ampd,
@@ -30,8 +31,10 @@ pytestmark = pytest.mark.unit
 BLOCK = 16
 
 
-def ctx(*engines: EngineLoad, prompt: int = 1600, pool: str = "decode") -> PlacementContext:
-    return PlacementContext(pool, prompt, BLOCK, engines)  # type: ignore[arg-type]
+def ctx(
+    *engines: EngineLoad, prompt: int = 1600, pool: str = "decode", disaggregated: bool = False
+) -> PlacementContext:
+    return PlacementContext(pool, prompt, BLOCK, engines, disaggregated)  # type: ignore[arg-type]
 
 
 def test_memory_takes_the_least_used_kv() -> None:
@@ -75,11 +78,14 @@ def test_sglang_follows_a_match_above_its_threshold_else_the_least_loaded() -> N
     long_match = EngineLoad("a", cached_tokens=1200, running=5)
     idle = EngineLoad("b", running=1)
     assert sglang_cache(ctx(long_match, idle, pool="prefill")) == "a"
-    short_match = EngineLoad("a", cached_tokens=400, running=5)
+    short_match = EngineLoad("a", cached_tokens=int(SGLANG_CACHE_THRESHOLD * 1600) - 16, running=5)
     assert sglang_cache(ctx(short_match, idle, pool="prefill")) == "b"
     swamped = EngineLoad("a", cached_tokens=1200, running=SGLANG_BALANCE_ABS + 2)
     assert sglang_cache(ctx(swamped, idle, pool="prefill")) == "b"
-    assert sglang_cache(ctx(long_match, idle, pool="decode")) == "b"  # decodes by load alone
+    # Under prefill/decode disaggregation it binds decodes by load alone; where the engine
+    # that decodes a session also prefills it, by its cache as for a prefill.
+    assert sglang_cache(ctx(long_match, idle, pool="decode", disaggregated=True)) == "b"
+    assert sglang_cache(ctx(long_match, idle, pool="decode")) == "a"
 
 
 def test_place_refuses_no_engines() -> None:
