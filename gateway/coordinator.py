@@ -29,6 +29,7 @@ from gateway.config import GatewayConfig
 from gateway.elastic_live import ElasticLoop
 from gateway.engines.kv_index import cached_tokens
 from gateway.engines.kv_subscriber import KVSubscriber
+from gateway.engines.model_tokenizer import Counted
 from gateway.engines.pool import WorkerPool
 from gateway.engines.step_targets import StepTargets
 from gateway.engines.tokens import ServedTokenizers
@@ -167,17 +168,19 @@ class Gateway:
         # One concurrent stage: the prompt's length, and in one Redis round trip the session
         # and the load signals of every worker the round could go to (which one it is
         # depends on the first two).
-        opened, l_total = await asyncio.gather(
+        ids = self.config.kv_index
+        opened, counted = await asyncio.gather(
             self.reads.read(scope, explicit, hashes, self._candidates(model)),
-            self._count(model, messages, engine_tools or None),
+            self._count(model, messages, engine_tools or None, ids),
         )
         session, transcript, signals = opened.session, opened.transcript, opened.signals
         extends = session is not None and continues(session, hashes)
         engine_messages = messages
         if extends and transcript is not None:  # server tool rounds the client never saw
             engine_messages = transcript + messages[session.conversation_len :]
-            l_total = await self._count(model, engine_messages, engine_tools or None)
-        signals = self._placement_signals(model, engine_messages, engine_tools or None, raw.get("cache_salt"), signals)
+            counted = await self._count(model, engine_messages, engine_tools or None, ids)
+        l_total = counted.tokens
+        signals = self._placement_signals(model, counted, raw.get("cache_salt"), signals)
         bound = self.rounds.bind(session.state if session else None, model, l_total, extends, signals)
         if session is None:
             self.metrics.sessions.inc()
@@ -196,7 +199,7 @@ class Gateway:
         """The prompt tokens of a chat body as its first round would count them (its
         server tools included), without running it: Anthropic's ``count_tokens``."""
         _, model, _, tools, messages = self._read(raw)
-        return await self._count(model, messages, tools or None)
+        return (await self._count(model, messages, tools or None)).tokens
 
     def _read(self, raw: dict[str, Any]) -> tuple[ChatRequest, str, frozenset[str], list[dict[str, Any]], list]:
         """A chat body checked as a round reads it: the request, its model, the server tools
@@ -222,18 +225,21 @@ class Gateway:
             raise APIError(400, f"tools named like server tools: {sorted(clashing)}", param="tools")
         return wanted
 
-    async def _count(self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-        """The prompt's length in tokens: counted here with its model's tokenizer and
-        template where the gateway has them (gateway.engines.tokens), else by
-        the least loaded decode worker. One that is lost (killed since its last scrape) is
-        left out of the pool and the next one asked."""
+    async def _count(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, ids: bool = False
+    ) -> Counted:
+        """The prompt's length in tokens, and its token ids where ``ids`` and the gateway can
+        make them: counted here with its model's tokenizer and template where the gateway
+        has them (gateway.engines.tokens), else by the least loaded decode worker (no ids).
+        One that is lost (killed since its last scrape) is left out of the pool and the
+        next one asked."""
         lost: UpstreamError | None = None
         for worker in sorted(self.pool.decoders(model), key=lambda w: w.load.kv_usage):
-            counted = self.tokenizers.count(model, worker.info.url, messages, tools)
+            counted = self.tokenizers.count(model, worker.info.url, messages, tools, ids)
             if counted is not None:  # else the engine is asked (where it refuses the prompt, its error is the client's)
                 return counted
             try:
-                return await self.client.tokenize(worker.info.url, model, messages, tools)
+                return Counted(await self.client.tokenize(worker.info.url, model, messages, tools))
             except UpstreamError as exc:
                 if not exc.lost:
                     raise
@@ -247,23 +253,21 @@ class Gateway:
         r.indexed = dict(signals.cached_tokens) or None
         return r
 
-    def _placement_signals(
-        self, model: str, messages: list, tools: list | None, cache_salt: str | None, signals: Signals
-    ) -> Signals:
+    def _placement_signals(self, model: str, counted: Counted, cache_salt: str | None, signals: Signals) -> Signals:
         """Under a placement by the engines' caches (rounds.placement), the signals the core
         binds and routes by gain what each engine holds of the prompt, as the KV index sees
         it, and each engine's requests waiting and running at its last scrape. Under
-        ``memory`` nothing is hashed, so the hot path pays nothing."""
-        if self.config.placement == "memory":
+        ``memory`` no ids are made (``_count``) and nothing is hashed, so the hot path pays
+        nothing."""
+        if counted.ids is None:  # memory, or no ids for the model: placement falls back to memory
             return signals
         workers = self._candidates(model)
         hashing = self.kv.hashing(workers)
-        ids = self.tokenizers.token_ids(model, messages, tools) if hashing else None
-        if ids is None:  # no engine indexed, or no ids for the model: placement falls back to memory
+        if not hashing:  # no engine indexed
             return signals
         loads = {w: live.load for w in workers if (live := self.pool.get(w)) is not None}
         return replace(
-            signals, cached_tokens=cached_tokens(self.kv.index, hashing, ids, cache_salt),
+            signals, cached_tokens=cached_tokens(self.kv.index, hashing, counted.ids, cache_salt),
             waiting={w: load.waiting for w, load in loads.items()},
             running={w: load.running for w, load in loads.items()},
         )  # fmt: skip
@@ -322,11 +326,12 @@ class Gateway:
     async def _next_round(self, ex: Exchange) -> Round:
         """The tool results are in: their incremental prefill is the next round's task."""
         created, model = time.time(), ex.body["model"]
-        l_total, signals = await asyncio.gather(
-            self._count(model, ex.engine_messages, ex.engine_tools), self.reads.signals(self._candidates(model))
+        counted, signals = await asyncio.gather(
+            self._count(model, ex.engine_messages, ex.engine_tools, self.config.kv_index),
+            self.reads.signals(self._candidates(model)),
         )
-        salt = ex.body.get("cache_salt")
-        signals = self._placement_signals(model, ex.engine_messages, ex.engine_tools, salt, signals)
+        l_total = counted.tokens
+        signals = self._placement_signals(model, counted, ex.body.get("cache_salt"), signals)
         try:  # the decode worker may have been lost while the tools ran: the session moves on
             bound = self.rounds.bind(ex.session.state, model, l_total, signals=signals)
         except ValueError as exc:

@@ -20,7 +20,7 @@ import zmq
 from ampd.local_redis import delete_prefix
 from gateway.engines.kv_index import Hashing, KVIndex, cached_tokens, request_hashes
 from gateway.engines.kv_subscriber import SeqOrder, read
-from gateway.engines.model_tokenizer import ModelTokenizer
+from gateway.engines.model_tokenizer import Counted, ModelTokenizer
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
 from surface import kv_events as wire
 from surface.registry import WorkerInfo, register
@@ -107,6 +107,11 @@ def test_prompt_ids_are_the_engines_and_none_where_the_files_name_no_ids(tmp_pat
     assert text is not None and tokenizer.gives_ids
     whole = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
     assert tokenizer.token_ids(messages, None) == whole and tokenizer.count(messages, None) == len(whole)
+    # A round under a cache placement renders its prompt once for its count and its ids.
+    renders = []
+    tokenizer._render = lambda *args: renders.append(args) or text
+    assert tokenizer.measure(messages, None, ids=True) == Counted(len(whole), whole) and len(renders) == 1
+    assert tokenizer.measure(messages, None) == Counted(len(whole))  # no ids where none are asked for
     # The GPU-free engine's ids are hashes of its pieces: the gateway computes them from its files.
     files = sim_files(32_000)
     sim = ModelTokenizer(files)

@@ -49,6 +49,7 @@ import functools
 import json
 import re
 from array import array
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -71,6 +72,14 @@ _BILLING_HEADER = "x-anthropic-billing-header"  # vLLM strips this line from sys
 
 class Unsupported(ValueError):
     """The model's files hold something this counter does not do as vLLM does."""
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """A prompt's count, with its token ids where they were asked for and the files give them."""
+
+    tokens: int
+    ids: list[int] | None = None
 
 
 class ModelTokenizer:
@@ -112,21 +121,31 @@ class ModelTokenizer:
     def count(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
         """The prompt's tokens as the engine's ``/tokenize`` counts them, or None where this
         counter does not know what the engine makes of the request."""
-        text = self._render(messages, tools)
-        if text is None:
-            return None
-        self.counted += 1
-        return self.tokens(text)
+        counted = self.measure(messages, tools)
+        return None if counted is None else counted.tokens
 
     def token_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int] | None:
         """The prompt's token ids, as the engine prefills them: what its prefix-cache blocks
         are hashed from (gateway.engines.kv_index). None where the count is not known, or
         the files give counts but no ids (a vocabulary of the unknown token alone, unless
         the config says the ids are hashed from the pieces: surface.hashed_vocab)."""
-        if not self.gives_ids:
-            return None
+        counted = self.measure(messages, tools, ids=True) if self.gives_ids else None
+        return None if counted is None else counted.ids
+
+    def measure(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, ids: bool = False
+    ) -> Counted | None:
+        """The prompt's count, and its token ids where ``ids`` and the files give them: the
+        template, the costliest part for a long prompt, rendered once for both. None where
+        the count is not known."""
         text = self._render(messages, tools)
-        return None if text is None else self.ids(text)
+        if text is None:
+            return None
+        self.counted += 1
+        if ids and self.gives_ids:
+            token_ids = self.ids(text)
+            return Counted(len(token_ids), token_ids)
+        return Counted(self.tokens(text))
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         """The prompt's text as vLLM renders it, or None (see the module's docstring)."""

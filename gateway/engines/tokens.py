@@ -20,7 +20,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.engines.model_tokenizer import ModelTokenizer
+from gateway.engines.model_tokenizer import Counted, ModelTokenizer
 from gateway.engines.upstream import EngineClient, UpstreamError
 from gateway.metrics import Family
 from surface.registry import tokenizer_key
@@ -44,26 +44,24 @@ class ServedTokenizers:
         self._tasks: set[asyncio.Task] = set()
 
     def count(
-        self, model: str, url: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> int | None:
-        """The prompt's count for the engine at ``url``, or None where the engine must be asked."""
+        self,
+        model: str,
+        url: str,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        ids: bool = False,
+    ) -> Counted | None:
+        """The prompt's count for the engine at ``url`` - with its token ids where ``ids`` and
+        the model's files give them, for the KV index's lookup (gateway.engines.kv_index) -
+        or None where the engine must be asked."""
         tokenizer = self._models.get(model)
         if tokenizer is None:
             self._load_later(model)
             return None
-        counted = tokenizer.count(messages, tools)
+        counted = tokenizer.measure(messages, tools, ids)
         if counted is not None and tokenizer.checking():
-            self._spawn(self._check(model, url, messages, tools, counted))
+            self._spawn(self._check(model, url, messages, tools, counted.tokens))
         return counted
-
-    def token_ids(
-        self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> list[int] | None:
-        """The prompt's token ids where the model's files are loaded and give ids (for the
-        KV index's lookup, gateway.engines.kv_index); None otherwise. Loading is left to
-        ``count``, which every round calls first."""
-        tokenizer = self._models.get(model)
-        return None if tokenizer is None else tokenizer.token_ids(messages, tools)
 
     def prepare(self, models: list[str]) -> None:
         """Start loading the files of models the pool serves, before their first round: a
