@@ -1,23 +1,37 @@
-"""``--placement ampd``'s weight on KV use (rounds.placement.KV_WEIGHT) on `ampd bench peers`'
-trace and engines, simulated: with their small KV (a session a tenth of an engine's) and with
-a real H20 TP4 engine's order of KV (46,875 blocks of 16: 750k tokens), beside ``memory`` and
-llm-d's rule.
+"""``--placement ampd``'s weight on KV use (rounds.placement.KV_WEIGHT), simulated on both
+placement benches' traces over several seeds, beside llm-d's rule:
+
+* `ampd bench peers`' trace and engines (policy ``coloc``, 3 engines of 170k KV tokens:
+  a session a tenth of an engine's KV), seeds 0-4;
+* `ampd bench placement`'s (policy ``ampd``, 4 prefill + 4 decode engines of H20 TP4,
+  1,000 sessions of 16 agent types x 8 tenants at 0.3/s), seeds 0-2.
 
     .venv/bin/python -m bench.studies.peers.kv_weight > bench/results/peers/kv_weight.txt
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from statistics import fmean
 
 import rounds.placement as placement
+from bench import placement as placement_bench
 from bench.peers import PeersSetup
 from perfmodel.profile import load_profile
 from planner.simulator import Pool, SimConfig, Simulation
+from planner.trace import Agents
 from rounds.engine.scheduler import SchedulerConfig
 
+WEIGHTS = (0.0, 0.25, 0.5, 1.0)
+PEERS_SEEDS = (0, 1, 2, 3, 4)
+PLACEMENT_SEEDS = (0, 1, 2)
+PLACEMENT_RATE = 0.3  # the placement bench's knee on these traces
 
-def run(setup: PeersSetup, rule: str) -> str:
+
+def peers(seed: int, rule: str) -> tuple[float, float, int]:
+    """Attainment under the mean and P95 rules, and prefill tokens, on the peers bench's trace."""
+    setup = replace(PeersSetup(), seed=seed)
     trace = setup.trace()
     scheduler = SchedulerConfig(block_size=setup.block_size, num_blocks=setup.num_blocks)
     config = SimConfig(Pool(load_profile(setup.profile), setup.engines), None, setup.slo(trace), policy=setup.policy,
@@ -25,21 +39,36 @@ def run(setup: PeersSetup, rule: str) -> str:
     sim = Simulation(config, trace)
     sim.run()
     met = sim.report().slo_attainment_by_rule
-    computed = sum(w.prefill_tokens for w in sim.workers.values())
-    return f"mean {met['mean']:.1%}, p95 {met['p95']:.1%}, prefill tokens {computed:,}"
+    return met["mean"], met["p95"], sum(w.prefill_tokens for w in sim.workers.values())
+
+
+def placement_trace(seed: int, rule: str) -> tuple[float, float, int]:
+    """The same on the placement bench's trace."""
+    setup = placement_bench.Setup(load_profile("llama-3.1-70b_h20_tp4"), 4, 4, "toolbench", Agents(16, 8), 1000,
+                                  seed, "ampd", 5.0)  # fmt: skip
+    mean, p95 = (placement_bench.run_one(setup, PLACEMENT_RATE, rule, r) for r in ("mean", "p95"))  # type: ignore[arg-type]
+    return mean.attainment, p95.attainment, mean.prefill_tokens
+
+
+def one(job: tuple[str, int, str, float]) -> tuple[float, float, int]:
+    trace, seed, rule, weight = job
+    placement.KV_WEIGHT = weight
+    return (peers if trace == "peers" else placement_trace)(seed, rule)
 
 
 def main() -> None:
-    shipped = placement.KV_WEIGHT
-    for blocks in (PeersSetup().num_blocks, 46_875):
-        setup = replace(PeersSetup(), num_blocks=blocks)
-        print(f"{blocks:,} blocks ({blocks * setup.block_size:,} KV tokens) per engine")
-        for rule in ("memory", "llmd-prefix"):
-            print(f"  {rule}: {run(setup, rule)}")
-        for weight in (0.25, shipped, 1.0, 2.0):
-            placement.KV_WEIGHT = weight
-            print(f"  ampd, KV_WEIGHT {weight:g}: {run(setup, 'ampd')}")
-        placement.KV_WEIGHT = shipped
+    arms = [("llmd-prefix", placement.KV_WEIGHT)] + [("ampd", w) for w in WEIGHTS]
+    for trace, seeds in (("peers", PEERS_SEEDS), ("placement", PLACEMENT_SEEDS)):
+        jobs = [(trace, seed, rule, weight) for rule, weight in arms for seed in seeds]
+        with ProcessPoolExecutor() as pool:
+            results = dict(zip(jobs, pool.map(one, jobs), strict=True))
+        print(f"{trace} bench's trace, seeds {', '.join(map(str, seeds))}: mean over seeds (per seed)")
+        for rule, weight in arms:
+            mine = [results[(trace, seed, rule, weight)] for seed in seeds]
+            name = rule if rule != "ampd" else f"ampd, KV_WEIGHT {weight:g}"
+            per_seed = " ".join(f"{m:.1%}/{p:.1%}/{t / 1000:,.0f}k" for m, p, t in mine)
+            print(f"  {name}: mean {fmean(m for m, _, _ in mine):.1%}, p95 {fmean(p for _, p, _ in mine):.1%}, "
+                  f"prefill tokens {fmean(t for _, _, t in mine):,.0f} ({per_seed})")  # fmt: skip
 
 
 if __name__ == "__main__":
