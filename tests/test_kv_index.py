@@ -106,7 +106,7 @@ def test_prompt_ids_are_the_engines_and_none_where_the_files_name_no_ids(tmp_pat
     text = tokenizer._render(messages, None)
     assert text is not None and tokenizer.gives_ids
     whole = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
-    assert tokenizer.token_ids(messages, None) == whole and tokenizer.count(messages, None) == len(whole)
+    assert tokenizer.count(messages, None) == len(whole)
     # A round under a cache placement renders its prompt once for its count and its ids.
     renders = []
     tokenizer._render = lambda *args: renders.append(args) or text
@@ -116,9 +116,12 @@ def test_prompt_ids_are_the_engines_and_none_where_the_files_name_no_ids(tmp_pat
     files = sim_files(32_000)
     sim = ModelTokenizer(files)
     rendered = sim._render(messages, None)
-    assert rendered is not None and sim.token_ids(messages, None) == SimTokenizer(32_000).encode(rendered)
+    expected = SimTokenizer(32_000).encode(rendered or "")
+    assert rendered is not None and sim.measure(messages, None, ids=True) == Counted(len(expected), expected)
     unnamed = dict(files, config={k: v for k, v in files["config"].items() if k != CONFIG_KEY})
-    assert ModelTokenizer(unnamed).token_ids(messages, None) is None  # a vocabulary of <unk> alone names none
+    assert (
+        ModelTokenizer(unnamed).measure(messages, None, ids=True).ids is None
+    )  # a vocabulary of <unk> alone names none
 
 
 def test_a_publisher_gone_silent_while_its_engine_works_ages_out():

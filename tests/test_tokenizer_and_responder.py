@@ -203,7 +203,7 @@ def test_a_gateway_counts_a_prompt_with_the_published_files_as_the_engine_counts
             assert counted == len(expected), (messages, tools)
             assert counter.count(messages, tools) == len(expected)  # and again, from what it remembered
             # The ids too (what the KV index hashes blocks from): the engine's own, hashed from its pieces.
-            assert counter.token_ids(messages, tools) == expected, (messages, tools)
+            assert counter.measure(messages, tools, ids=True).ids == expected, (messages, tools)
     assert both > 100
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     expected = engine(plain, [tool])

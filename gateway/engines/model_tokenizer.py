@@ -124,20 +124,15 @@ class ModelTokenizer:
         counted = self.measure(messages, tools)
         return None if counted is None else counted.tokens
 
-    def token_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int] | None:
-        """The prompt's token ids, as the engine prefills them: what its prefix-cache blocks
-        are hashed from (gateway.engines.kv_index). None where the count is not known, or
-        the files give counts but no ids (a vocabulary of the unknown token alone, unless
-        the config says the ids are hashed from the pieces: surface.hashed_vocab)."""
-        counted = self.measure(messages, tools, ids=True) if self.gives_ids else None
-        return None if counted is None else counted.ids
-
     def measure(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, ids: bool = False
     ) -> Counted | None:
         """The prompt's count, and its token ids where ``ids`` and the files give them: the
-        template, the costliest part for a long prompt, rendered once for both. None where
-        the count is not known."""
+        ids as the engine prefills them, what its prefix-cache blocks are hashed from
+        (gateway.engines.kv_index). The files may give counts but no ids (a vocabulary of the
+        unknown token alone, unless the config says the ids are hashed from the pieces:
+        surface.hashed_vocab). The template, the costliest part for a long prompt, is
+        rendered once for both. None where the count is not known."""
         text = self._render(messages, tools)
         if text is None:
             return None
