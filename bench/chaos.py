@@ -195,7 +195,7 @@ async def inject(cluster: Cluster, part: str, down_s: float, rng: random.Random)
         old = await asyncio.to_thread(cluster.redis.kill_primary)
         await asyncio.to_thread(cluster.redis.failed_over, old, 60.0)
         await asyncio.sleep(down_s)
-        cluster.redis.restart(old)
+        await asyncio.to_thread(cluster.redis.restart, old)
     elif part == "redis":
         port = int(cluster.redis.url.rsplit(":", 1)[1].split("/")[0])
         cluster.redis.process.kill()

@@ -18,6 +18,9 @@ from perfmodel.slo import DEFAULT_SCALE
 
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 console = terminal.console()
+# The shared-prefix agent traces of the placement benches (planner.trace.Agents).
+AgentsOption = Annotated[int, typer.Option(min=1, help="agent types")]
+TenantsOption = Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas")]
 
 
 @bench_app.command("engine")
@@ -493,8 +496,8 @@ def bench_placement(
     prefill: Annotated[int, typer.Option(min=1, help="prefill engines")] = 4,
     decode: Annotated[int, typer.Option(min=1, help="decode engines")] = 4,
     workload: str = "toolbench",
-    agents: Annotated[int, typer.Option(min=1, help="agent types")] = 16,
-    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas")] = 8,
+    agents: AgentsOption = 16,
+    tenants: TenantsOption = 8,
     sessions: int = 1000,
     policy: PolicyOption = "ampd",
     scale: Annotated[float, typer.Option(help="SLO scale over the unloaded typical round")] = DEFAULT_SCALE,
@@ -554,8 +557,8 @@ def bench_peers(
     ] = "ampd-memory,ampd-ampd,vllm-router,sglang-router,dynamo",
     sessions: Annotated[int, typer.Option(min=1, help="agent sessions in the trace")] = 60,
     rate: Annotated[float, typer.Option(help="sessions per modelled second (Poisson)")] = 0.25,
-    agents: Annotated[int, typer.Option(min=1, help="agent types")] = 12,
-    tenants: Annotated[int, typer.Option(min=1, help="tenants, each with its own tool schemas")] = 2,
+    agents: AgentsOption = 12,
+    tenants: TenantsOption = 2,
     workload: str = "toolbench",
     engines: Annotated[int, typer.Option(min=1, help="GPU-free engines, all on one core")] = 3,
     num_blocks: Annotated[int, typer.Option(min=1, help="KV blocks per engine")] = 10_625,

@@ -63,7 +63,6 @@ from surface.wire import metric_totals
 GATEWAY_ARMS = tuple(f"ampd-{p}" for p in PLACEMENTS)
 ROUTERS = ("vllm-router", "sglang-router", "smg")
 ARMS = (*GATEWAY_ARMS, *ROUTERS, "dynamo")
-DEFAULT_ARMS = ("ampd-memory", "ampd-ampd", "vllm-router", "sglang-router", "dynamo")
 BASELINE = "ampd-memory"  # the prefill tokens of every arm are set against this one's
 VENV = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "smg": "smg", "dynamo": "ai-dynamo"}
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
@@ -385,6 +384,7 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
     redis = ensure_redis(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12"), state / "redis")
     registry = ["--redis-url", redis.url, "--redis-prefix", prefix]
     runs: list[ArmRun] = []
+    table_rows: list[Row] = []
     failures: dict[str, str] = {}
     load = os.getloadavg()
     try:
@@ -403,6 +403,7 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
                     run = _one_arm(console, arm, trace, setup, workers, model, registry, state)
                     runs.append(run)
                     brief = rows(run, slo, setup.speed, setup.rules)
+                    table_rows += brief
                     console.print(f"{arm}: {run.wall_s:.0f} s, prefill {run.counters.computed:,} tokens, "
                                   + ", ".join(f"{r.itl_rule} {r.attainment:.1%}" for r in brief)
                                   + (f", {len(run.failures)} failed" if run.failures else ""))  # fmt: skip
@@ -414,13 +415,13 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
     finally:
         delete_prefix(redis.url, prefix)
         redis.stop()
-    table_rows = [row for run in runs for row in rows(run, slo, setup.speed, setup.rules)]
     wall = time.perf_counter() - started
     title = (f"{len(trace)} {setup.workload} sessions ({setup.agents} agent types x {setup.tenants} tenants) at "
              f"{setup.rate:g}/s on {setup.engines} GPU-free engines ({setup.profile} at {setup.speed:g}x, "
              f"{setup.num_blocks * setup.block_size:,} KV tokens each), live ({wall / 60:.0f} min on "
              f"{os.cpu_count()} cores)")  # fmt: skip
-    console.print(markdown(table_rows, failures, title))
+    report = markdown(table_rows, failures, title)
+    console.print(report)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         document = {
@@ -439,6 +440,6 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
             "failures": failures,
         }  # fmt: skip
         out.write_text(json.dumps(document, indent=2) + "\n")
-        out.with_suffix(".md").write_text(markdown(table_rows, failures, title))
+        out.with_suffix(".md").write_text(report)
         console.print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0

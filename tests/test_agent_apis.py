@@ -622,6 +622,11 @@ def test_a_client_hanging_up_a_translated_stream_stops_the_engine(tmp_path):
 # -- the translation itself (pure) ---------------------------------------------------------------
 
 
+def _data(event: bytes) -> dict:
+    """A server-sent event's JSON data."""
+    return json.loads(event.decode().split("\ndata: ", 1)[1])
+
+
 @pytest.mark.unit
 def test_responses_items_become_chat_messages():
     raw = {
@@ -688,9 +693,8 @@ def test_chat_chunks_become_responses_events():
         + [e for c in chunks for e in stream.feed(c)]
         + stream.finish({"prompt_tokens": 5, "completion_tokens": 4}, "tool_calls")
     )
-    events = [json.loads(e.decode().split("\ndata: ", 1)[1]) for e in raw]
-    assert all(e.decode().startswith(f"event: {json.loads(e.decode().split(chr(10) + 'data: ', 1)[1])['type']}\n")
-               for e in raw)  # fmt: skip
+    events = [_data(e) for e in raw]
+    assert all(e.decode().startswith(f"event: {_data(e)['type']}\n") for e in raw)
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
@@ -759,7 +763,7 @@ def test_chat_chunks_become_anthropic_events():
         + [e for c in chunks for e in stream.feed(c)]
         + stream.finish("tool_calls", None, {"prompt_tokens": 11, "completion_tokens": 6})
     )
-    events = [json.loads(e.decode().split("\ndata: ", 1)[1]) for e in raw]
+    events = [_data(e) for e in raw]
     assert [e["type"] for e in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop", "message_delta",
@@ -781,7 +785,7 @@ def test_server_tool_rounds_become_mcp_blocks_which_a_turn_sent_back_skips():
         + stream.feed({"choices": [], "ampd_tool_round": {"round": 1, "calls": [ran]}})
         + stream.finish("stop", None, None)
     )
-    events = [json.loads(e.decode().split("\ndata: ", 1)[1]) for e in raw]
+    events = [_data(e) for e in raw]
     assert [e["type"] for e in events] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_stop", "content_block_start", "content_block_stop", "message_delta",
@@ -805,7 +809,7 @@ def test_server_tool_rounds_become_mcp_blocks_which_a_turn_sent_back_skips():
 def test_a_failure_after_the_status_line_is_reported_in_band():
     request = responses_api.parse_request({"input": "x"})
     failed = responses_api.ResponseEvents("resp_1", request, "m", 1).fail(APIError(502, "lost", code="upstream_error"))
-    event = json.loads(failed[0].decode().split("\ndata: ", 1)[1])
+    event = _data(failed[0])
     assert event["type"] == "response.failed" and event["response"]["status"] == "failed"
     assert event["response"]["error"] == {"code": "upstream_error", "message": "lost"}
     failed = messages_api.MessageEvents("msg_1", "m", 1, None).fail(APIError(503, "busy"))

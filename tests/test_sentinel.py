@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from ampd.cli import app
@@ -27,6 +26,7 @@ from ampd.local_redis import SENTINEL_SERVICE, SentinelRedis, server_binary, sta
 from bench.chaos import stream
 from bench.replay import TOOL, words
 from surface.redis_address import RedisAddress
+from surface.wire import metric_totals
 from tests.engines import kill_group, start_gateway, start_sim_worker, start_tools_worker, stop
 
 AFTER = 3  # rounds every session runs once the new primary is in place
@@ -200,8 +200,4 @@ def records_of(url: str, session_id: str) -> list[dict]:
 
 def metrics(url: str) -> dict[str, float]:
     """The gateway's counters, summed over their labels."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
+    return metric_totals(httpx.get(f"{url}/metrics", timeout=30).text)

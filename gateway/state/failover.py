@@ -96,7 +96,11 @@ class Failover:
 
     async def close(self, pipe: aioredis.client.Pipeline, what: str) -> None:
         """A round's closing writes, staged on ``pipe``: kept through a failover and, with
-        a replica answering, acknowledged by one (see the module docstring)."""
+        a replica answering, acknowledged by one (see the module docstring). A plain Redis
+        is sent them once."""
+        if not self.managed:
+            await self.through(partial(self.batch.pipeline, pipe), what)
+            return
         writes, deadline = list(pipe.command_stack), time.monotonic() + self.wait_s
         while True:
             asks = self._asks()  # again on each try: replicas may have stopped acknowledging meanwhile

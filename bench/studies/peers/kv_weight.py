@@ -17,11 +17,9 @@ from statistics import fmean
 
 import rounds.placement as placement
 from bench import placement as placement_bench
-from bench.peers import PeersSetup
+from bench.peers import PeersSetup, simulated
 from perfmodel.profile import load_profile
-from planner.simulator import Pool, SimConfig, Simulation
 from planner.trace import Agents
-from rounds.engine.scheduler import SchedulerConfig
 
 WEIGHTS = (0.0, 0.25, 0.5, 1.0)
 PEERS_SEEDS = (0, 1, 2, 3, 4)
@@ -33,13 +31,8 @@ def peers(seed: int, rule: str) -> tuple[float, float, int]:
     """Attainment under the mean and P95 rules, and prefill tokens, on the peers bench's trace."""
     setup = replace(PeersSetup(), seed=seed)
     trace = setup.trace()
-    scheduler = SchedulerConfig(block_size=setup.block_size, num_blocks=setup.num_blocks)
-    config = SimConfig(Pool(load_profile(setup.profile), setup.engines), None, setup.slo(trace), policy=setup.policy,
-                       placement=rule, scheduler=scheduler, seed=setup.seed)  # type: ignore[arg-type]  # fmt: skip
-    sim = Simulation(config, trace)
-    sim.run()
-    met = sim.report().slo_attainment_by_rule
-    return met["mean"], met["p95"], sum(w.prefill_tokens for w in sim.workers.values())
+    arm = simulated(setup, trace, setup.slo(trace), [f"ampd-{rule}"])[f"ampd-{rule}"]
+    return arm["attainment"]["mean"], arm["attainment"]["p95"], arm["prefill_tokens"]
 
 
 def placement_trace(seed: int, rule: str) -> tuple[float, float, int]:
