@@ -53,6 +53,7 @@ from rounds.engine.scheduler import SchedulerConfig
 from surface.registry import heartbeat_client, live_workers
 
 PREFIX = "ampd-bench-fidelity"
+ROOT = Path(__file__).resolve().parents[1]  # the repository's root: what a report's paths are relative to
 POLICIES = ("coloc", "ampd", "disagg", "dynaserve")
 # How each policy uses the two engines (rounds.roles): ``coloc`` both decoding, each
 # prefilling its own sessions; ``dynaserve`` both unified, any part of any round on
@@ -114,7 +115,7 @@ def model_spec(folder: Path) -> ModelSpec:
     """The served test model as the performance model describes one (fp32 weights and KV)."""
     config = json.loads((folder / "config.json").read_text())
     return ModelSpec(
-        name="tiny-llama-cpu", hf_id=str(folder), num_layers=config["num_hidden_layers"],
+        name="tiny-llama-cpu", hf_id=repo_path(folder), num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
         num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
         intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"], max_model_len=MAX_MODEL_LEN,
@@ -368,7 +369,10 @@ def resimulate(console: Console, previous: Path, out: Path | None) -> int:
     A run's trace path is taken relative to the report's folder, so a report and its traces move together."""
     document = json.loads(previous.read_text())
     runs = [Run(r["policy"], r["load"], r["index"], r["live"], previous.parent / r["trace"]) for r in document["runs"]]
-    report(console, document["setup"], Path(document["profile"]), runs, out or previous)
+    profile = Path(document["profile"])
+    if not profile.exists():  # recorded from outside the repository (by its name): beside the report
+        profile = previous.parent / profile.name
+    report(console, document["setup"], profile, runs, out or previous)
     return 0
 
 
@@ -382,7 +386,7 @@ def report(console: Console, setup: dict, profile_path: Path, runs: Sequence[Run
         results.setdefault((run.policy, run.load), []).append((run.live, sim))
     table_rows = rows(results)
     console.print(_table(table_rows))
-    document = {"engine": "vllm", "profile": str(profile_path), "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
+    document = {"engine": "vllm", "profile": repo_path(profile_path), "slo": {"ttft_s": slo.ttft_s, "itl_s": slo.itl_s},
                 "setup": setup, "scheduler": asdict(SCHEDULER), "rows": table_rows,
                 "runs": [{"policy": r.policy, "load": r.load, "index": r.index, "trace": _relative(r.trace, out),
                           "live": r.live, "sim": sim} for r, sim in zip(runs, sims, strict=True)]}  # fmt: skip
@@ -397,9 +401,20 @@ def _relative(trace: Path, out: Path | None) -> str:
     return os.path.relpath(trace.resolve(), out.resolve().parent) if out is not None else str(trace.resolve())
 
 
+def repo_path(path: str | Path) -> str:
+    """A path as a report records it, naming nothing of the machine it ran on: relative to the
+    repository's root when under it, else the file's name alone. Symbolic links are followed
+    up to the file, not to it (a venv's ``bin/python`` stays itself)."""
+    if not str(path):
+        return ""
+    where = Path(os.path.realpath(Path(path).absolute().parent)) / Path(path).name
+    return os.path.relpath(where, ROOT) if where.is_relative_to(ROOT) else where.name
+
+
 def setup_dict(setup: Any) -> dict:
-    """A bench's setup dataclass as its report records it (paths as text)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(setup).items()}
+    """A bench's setup dataclass as its report records it (paths and the vLLM interpreter as ``repo_path``
+    names them)."""
+    return {k: repo_path(v) if isinstance(v, Path) or k == "vllm_python" else v for k, v in asdict(setup).items()}
 
 
 def measure_profile(console: Console, setup: FidelitySetup, model: Path, redis_url: str) -> Path:

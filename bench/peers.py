@@ -329,7 +329,7 @@ def probe_dynamo(state: Path, timeout_s: float = 120.0) -> str:
         "dynamo.llm.register_llm that takes the frontend's token ids and relays its engine's KV events), and has no "
         "option to name an OpenAI-compatible HTTP engine as a worker. Fronting these engines needs such a worker per "
         "engine, written for them. (`pip install ai-dynamo==1.6.1` itself fails where only PyPI is reachable: its "
-        "requirement aisimulate downloads its wheel from pypi.nvidia.com; it is installed here without it.)"
+        "requirement aisimulate downloads its wheel from NVIDIA's own index; it is installed here without it.)"
     )
 
 

@@ -31,7 +31,7 @@ def test_a_small_fidelity_run_puts_live_vllm_rounds_beside_simulated_ones(tmp_pa
                           env={**os.environ, "AMPD_VLLM_PYTHON": VLLM_PYTHON})  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["engine"] == "vllm" and report["profile"] == str(PROFILE)
+    assert report["engine"] == "vllm" and report["profile"] == str(PROFILE.relative_to(ROOT))
     assert {(r["policy"], r["load"]) for r in report["runs"]} == {("coloc", "light"), ("dynaserve", "light")}
     metrics = {r["metric"] for r in report["rows"]}
     assert {"ttft_initial_p50", "ttft_initial_p95", "gap_p50", "gap_p95", "attainment_mean", "attainment_p95",

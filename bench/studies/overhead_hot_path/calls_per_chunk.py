@@ -14,7 +14,7 @@ chunk.
 
     .venv/bin/python bench/studies/overhead_hot_path/calls_per_chunk.py
 
-Output of the run behind the README: calls_per_chunk.txt.
+Output of the run behind the overhead study: bench/results/overhead/hot_path/calls_per_chunk.txt.
 """
 
 import asyncio

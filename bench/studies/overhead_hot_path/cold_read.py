@@ -11,7 +11,7 @@ wrapped) was 0.119 ms.
 
     taskset -c 1 .venv/bin/python bench/studies/overhead_hot_path/cold_read.py
 
-Output of the run behind the README: cold_read.txt.
+Output of the run behind the overhead study: bench/results/overhead/hot_path/cold_read.txt.
 """
 
 import statistics

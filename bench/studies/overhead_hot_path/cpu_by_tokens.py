@@ -11,7 +11,7 @@ its every request as if it were the chunks').
 
     .venv/bin/python bench/studies/overhead_hot_path/cpu_by_tokens.py
 
-Output of the run behind the README: cpu_by_tokens.txt.
+Output of the run behind the overhead study: bench/results/overhead/hot_path/cpu_by_tokens.txt.
 """
 
 import asyncio

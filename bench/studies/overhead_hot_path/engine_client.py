@@ -9,7 +9,7 @@ process on core 1. For each client, alternately, in one session:
 
     .venv/bin/python bench/studies/overhead_hot_path/engine_client.py
 
-Output of the run behind the README: engine_client.txt.
+Output of the run behind the overhead study: bench/results/overhead/ab/engine_connections/client_alone.txt.
 """
 
 import asyncio

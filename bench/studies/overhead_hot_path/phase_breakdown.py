@@ -11,8 +11,7 @@ medians.
 
     .venv/bin/python bench/studies/overhead_hot_path/phase_breakdown.py
 
-Output of the runs behind the README: phase_breakdown.txt (an earlier one, fewer phases)
-and phase_breakdown_ninth.txt.
+Output of the run behind the overhead study: bench/results/overhead/hot_path/phases_one_stream.txt.
 """
 
 import asyncio

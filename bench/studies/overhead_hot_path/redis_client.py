@@ -12,8 +12,7 @@ system, this process only) and wall time per call.
 
     taskset -c 1 .venv/bin/python bench/studies/overhead_hot_path/redis_client.py
 
-Output of the run behind the README: redis_client.txt (before the channel existed) and
-redis_client_channel.txt.
+Output of the run behind the overhead study: bench/results/overhead/ab/redis_channel/client_alone.txt.
 """
 
 import asyncio

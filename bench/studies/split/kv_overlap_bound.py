@@ -8,7 +8,7 @@ them, with the transfer as modelled -> free, judged by the mean and the P95 ITL 
     .venv/bin/python bench/studies/split/kv_overlap_bound.py toolbench      # every split of 8 GPUs
     .venv/bin/python bench/studies/split/kv_overlap_bound.py gaia dureader  # TP4 splits only (time)
 
-Output of the runs behind the README's table: kv_overlap_bound.txt.
+Output of the runs behind the split study's table: bench/results/split/kv_overlap_bound.txt.
 """
 
 import sys

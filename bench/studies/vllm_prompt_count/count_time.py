@@ -18,7 +18,7 @@ on vLLM's CPU build, as tests/test_vllm.py starts it), then:
 
     AMPD_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python bench/studies/vllm_prompt_count/count_time.py
 
-Output of the run behind the README: count_time.txt.
+Output of the run behind the overhead study: bench/results/overhead/hot_path/vllm_prompt_count.txt.
 """
 
 import asyncio

@@ -10,7 +10,7 @@ line, every collection with its generation, wall time and pause (ms), and every 
         .venv/bin/ampd bench load --minutes 4 --baseline-minutes 1
 
 The waking loop costs each process ~500 wake-ups a second: compare runs made with it.
-Output of the runs behind the README: worker_freeze.txt.
+Output of the runs behind the engine study: bench/results/load/gc/engine_pauses.txt.
 """
 
 import os
