@@ -234,6 +234,16 @@ def bench_stepsize(
     target_ms: Annotated[
         float | None, typer.Option(help="ampd's step target (default: dynaserve's under the P95 rule)")
     ] = None,
+    statics: Annotated[
+        str | None,
+        typer.Option(
+            help="the fixed budgets searched, comma-separated, each TOKENS[:CAP[:adaptive]] (default: "
+            "2048:256,2048:512,2048:256:adaptive,512,1024)"
+        ),
+    ] = None,
+    baselines: Annotated[
+        str, typer.Option(help="vLLM's own arms run beside ampd's, comma-separated: default, static (or none)")
+    ] = "default,static",
     profile: Annotated[Path, typer.Option(help="the engine's measured profile")] = Path(
         "bench/results/fidelity_vllm/tiny-llama-cpu_measured.json"
     ),
@@ -244,15 +254,22 @@ def bench_stepsize(
 ) -> None:
     """Step sizing inside real vLLM (its CPU build, one engine on a core): token gaps, decode rate and
     long-prompt TTFT under vLLM's default budget, the best static budget searched, and ampd's scheduler."""
-    from bench.stepsize import StepsizeSetup, run_stepsize
+    from bench.stepsize import BASELINES, STATICS, StepsizeSetup, parse_statics, run_stepsize
 
     if engine != "vllm":
         raise fail("step sizing is measured on vLLM (--engine vllm); the GPU-free engine's is `ampd bench split`")
     if min(streams, long_prompts, long_tokens) < 1 or interval <= 0 or (target_ms is not None and target_ms <= 0):
         raise fail("at least one stream, long prompt and token; a positive interval and target")
+    try:
+        budgets = STATICS if statics is None else parse_statics(statics)
+    except ValueError as exc:
+        raise fail(str(exc)) from exc
+    chosen = tuple(b for b in baselines.split(",") if b and b != "none")
+    if set(chosen) - set(BASELINES):
+        raise fail(f"bad --baselines {baselines!r}: some of {', '.join(BASELINES)}, or none")
     setup = StepsizeSetup(streams=streams, long_prompts=long_prompts, long_tokens=long_tokens, interval_s=interval,
-                          target_ms=target_ms, profile=profile, out_dir=work_dir, redis_url=redis_url,
-                          vllm_python=python)  # fmt: skip
+                          target_ms=target_ms, statics=budgets, profile=profile, out_dir=work_dir,
+                          redis_url=redis_url, vllm_python=python, baselines=chosen)  # fmt: skip
     raise typer.Exit(run_stepsize(console, setup, out))
 
 
@@ -283,7 +300,7 @@ def bench_sweep(
     slo_scale: float = DEFAULT_SCALE,
     itl_slo_metric: ItlRuleOption = "mean",
     seed: int = 0,
-    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results"),
+    out_dir: Annotated[Path, typer.Option(help="where the JSON, Markdown and PNG go")] = Path("bench/results/policies"),
 ) -> None:
     """SLO attainment against arrival rate per policy, simulated (the shape of the paper's Figure 4)."""
     from rich.progress import BarColumn, MofNCompleteColumn

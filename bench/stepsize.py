@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampd.stack import STATE_DIR
-from bench.fidelity import SCHEDULER, VLLM_ARGS, bench_redis, build_model, engines, letter_ids, setup_dict
+from bench.fidelity import SCHEDULER, VLLM_ARGS, bench_redis, build_model, engines, letter_ids, repo_path, setup_dict
 from perfmodel.profile import load_profile
 from perfmodel.slo import derived_slo
 from rounds.policies import step_target_ms
@@ -80,6 +80,29 @@ STATICS = (
 )
 
 
+def parse_statics(spec: str) -> tuple[StaticBudget, ...]:
+    """``--statics``: the fixed budgets searched, comma-separated, each ``TOKENS[:CAP[:adaptive]]`` -
+    tokens a step, a request's tokens a step (0: no cap), and ``adaptive`` to floor that cap at a
+    fair share of the budget (vLLM's adaptive threshold; it needs a cap)."""
+    budgets = []
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        parts = item.split(":")
+        try:
+            tokens, cap = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+        except ValueError:
+            tokens, cap = 0, 0
+        adaptive = parts[2:] == ["adaptive"]
+        if len(parts) > 3 or (len(parts) == 3 and not adaptive) or tokens < 1 or cap < 0 or (adaptive and not cap):
+            raise ValueError(f"bad static budget {item!r}: TOKENS[:CAP[:adaptive]], with a cap for adaptive")
+        budgets.append(StaticBudget(tokens, cap, adaptive))
+    if not budgets:
+        raise ValueError("at least one static budget: TOKENS[:CAP[:adaptive]], comma-separated")
+    return tuple(budgets)
+
+
+BASELINES = ("default", "static")  # vLLM's scheduler with its default budget; the best of the static ones
+
+
 @dataclass(frozen=True)
 class StepsizeSetup:
     streams: int = 8
@@ -95,6 +118,7 @@ class StepsizeSetup:
     redis_url: str = "redis://127.0.0.1:6379/11"
     vllm_python: str = ""
     seed: int = 0
+    baselines: tuple[str, ...] = BASELINES  # vLLM's own arms run beside ampd's
 
 
 @dataclass
@@ -119,7 +143,8 @@ def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> in
     setup.out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(setup.out_dir / "model")
     target_ms = setup.target_ms if setup.target_ms is not None else default_target_ms(setup.profile)
-    arms = [("default", StaticBudget(), None), *(("static", s, None) for s in setup.statics),
+    arms = [*([("default", StaticBudget(), None)] if "default" in setup.baselines else []),
+            *(("static", s, None) for s in (setup.statics if "static" in setup.baselines else ())),
             ("ampd", StaticBudget(), target_ms)]  # fmt: skip
     results: dict[str, ArmResult] = {}
     statics: list[ArmResult] = []
@@ -139,10 +164,11 @@ def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> in
     except RuntimeError as exc:
         console.print(f"[red]{exc}[/red]")
         return 1
-    results["static"] = min(statics, key=lambda r: (r.p95_gap_ms, r.long_prompt_ttft_ms))
+    if statics:
+        results["static"] = min(statics, key=lambda r: (r.p95_gap_ms, r.long_prompt_ttft_ms))
     console.print(_table(results))
     if out is not None:
-        document = {"engine": "vllm", "profile": str(setup.profile), "setup": _setup_dict(setup),
+        document = {"engine": "vllm", "profile": repo_path(setup.profile), "setup": _setup_dict(setup),
                     "arms": {arm: _public(r) for arm, r in results.items()},
                     "statics": [_public(r) for r in statics],
                     "ampd_steps": results["ampd"].steps}  # fmt: skip
@@ -159,8 +185,10 @@ def _arm(
     log_dir.mkdir(parents=True, exist_ok=True)
     steps = log_dir / "steps.jsonl"
     steps.unlink(missing_ok=True)
-    sizing = ["--step-target-ms", f"{target:g}", "--step-log", str(steps.resolve())]
-    options = ["--no-step-sizing"] if target is None else sizing  # vLLM's own scheduler, else ampd's
+    if target is None:  # vLLM's own scheduler (the default and static arms), else ampd's with its target
+        options = ["--no-step-sizing"]
+    else:
+        options = ["--step-target-ms", f"{target:g}", "--step-log", str(steps.resolve())]
     with engines(setup.vllm_python, model, str(setup.profile), redis_url, log_dir, cores=(ENGINE_CORE,),
                  options=options, vllm_args=budget.vllm_args()) as e, _pinned({1 - ENGINE_CORE}):  # fmt: skip
         gaps, tokens, window, ttfts = asyncio.run(_workload(e.urls[0], setup, letter_ids(model)))
@@ -259,7 +287,7 @@ def _setup_dict(setup: StepsizeSetup) -> dict:
 
 def _table(results: dict[str, ArmResult]) -> Table:
     table = Table("arm", "scheduler", "gap p95", "gap max", "decode tokens/s", "long-prompt TTFT", "target")
-    for arm in ("default", "static", "ampd"):
+    for arm in (a for a in ("default", "static", "ampd") if a in results):
         r = results[arm]
         target = "-" if r.target_ms is None else f"{r.target_ms:.1f} ms"
         table.add_row(arm, r.label, f"{r.p95_gap_ms:.0f} ms", f"{r.max_gap_ms:.0f} ms", f"{r.decode_tokens_per_s:.1f}",
