@@ -2,7 +2,10 @@
 into its own venv under bench/venvs/ at run time (never vendored), pinned here.
 
 ``ensure_venv`` installs a peer on first use and reuses its venv while the marker it wrote
-(``.installed``: what was installed) matches what is pinned now.
+(``.installed``: what was installed) matches what is pinned now; ``installed`` says whether
+it is there without installing anything (the tests run a peer only then: they never install).
+``python -m bench.peer_venvs PEER ...`` installs ahead of time (``make test`` does it for the
+peers the suite runs).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ REQUIREMENTS = {
 }
 # Peers whose pinned requirement does not install from PyPI alone: the pip invocations that
 # do, in order. ai-dynamo 1.6.1 requires ``aisimulate==0.13.0``, a wheel stub whose build
-# downloads the real wheel from pypi.nvidia.com (and fails where only PyPI is reachable);
+# downloads the real wheel from NVIDIA's own index (and fails where only PyPI is reachable);
 # only Dynamo's planner imports it, so the rest of ai-dynamo's requirements are installed
 # and ai-dynamo itself without its requirements.
 RECIPES: dict[str, list[list[str]]] = {
@@ -40,13 +43,23 @@ def recipe(peer: str) -> list[list[str]]:
     return RECIPES.get(peer, [[REQUIREMENTS[peer]]])
 
 
+def installed(peer: str) -> bool:
+    """Whether the peer's venv holds what is pinned now (nothing is installed to find out)."""
+    marker = VENVS / peer / ".installed"
+    return marker.exists() and marker.read_text() == _wanted(peer)
+
+
+def _wanted(peer: str) -> str:
+    return "\n".join(" ".join(step) for step in recipe(peer))
+
+
 def ensure_venv(peer: str, timeout_s: float = 900.0) -> Path:
     """The peer's venv, installed on first use; raises RuntimeError with pip's words if not
-    (or if pip runs past ``timeout_s``)."""
+    (or if pip runs past ``timeout_s``). It says on stderr what it installs, and where."""
     venv, steps = VENVS / peer, recipe(peer)
-    marker, wanted = venv / ".installed", "\n".join(" ".join(step) for step in steps)
-    if marker.exists() and marker.read_text() == wanted:
+    if installed(peer):
         return venv
+    print(f"installing {peer} into {venv}: pip install {' ; '.join(' '.join(s) for s in steps)}", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     for step in steps:
         try:
@@ -56,5 +69,10 @@ def ensure_venv(peer: str, timeout_s: float = 900.0) -> Path:
             raise RuntimeError(f"pip install {' '.join(step)} ran past {timeout_s:.0f} s") from exc
         if done.returncode != 0:
             raise RuntimeError(f"pip install {' '.join(step)} failed: {done.stderr.strip()[-600:]}")
-    marker.write_text(wanted)
+    (venv / ".installed").write_text(_wanted(peer))
     return venv
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        ensure_venv(name)

@@ -36,6 +36,18 @@ def engine(pd_pair) -> Engine:
     return pd_pair[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Where `make test` runs the suite on several xdist workers (``--dist loadgroup``), a
+    module's tests stay on one worker, so its module-scoped engines and gateways start once;
+    and every test marked ``vllm`` goes to one worker, one module after another, first (the
+    longest chain): each module's vLLM engines busy-poll cores with NIXL's progress threads,
+    and two modules' engines at once would starve each other and everything else."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: the module order stays
+    for item in items:
+        group = "vllm" if item.get_closest_marker("vllm") is not None else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing test of a module that defines ``failure_context()`` (its engines' logs)

@@ -295,7 +295,7 @@ def test_failed_remote_load_can_be_recomputed_locally():
 
 def test_a_request_handed_over_mid_decode_continues_from_the_kv_of_its_first_tokens():
     """DynaServe's split inside the decode phase, as vLLM's connector expresses it
-    (tests/test_vllm_mid_decode.py): alpha, a prefill request allowed d tokens, holds the KV
+    (tests/test_vllm_handoffs.py): alpha, a prefill request allowed d tokens, holds the KV
     of the prompt and its first d - 1 tokens; beta's prompt is the prompt plus alpha's d
     tokens, it pulls the held KV and computes only alpha's last token before it decodes on.
     The answer is the one plan, the held blocks hold exactly the tokens their KV is of."""

@@ -334,7 +334,7 @@ def test_prefill_returns_nixl_transfer_params(pd_pair):
 
 
 def test_a_prefill_allowed_more_tokens_holds_the_kv_of_its_output_too(pd_pair):
-    """A hand-off mid-decode (DynaServe's alpha; tests/test_vllm_mid_decode.py): a prefill
+    """A hand-off mid-decode (DynaServe's alpha; tests/test_vllm_handoffs.py): a prefill
     request allowed d tokens answers with d tokens and holds the KV of the prompt and its
     first d - 1 (the last has none yet), in as many blocks as those tokens fill."""
     prefill, _ = pd_pair
