@@ -29,8 +29,9 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     """Ready while a decode worker is known. Without Redis the replica still serves
     (gateway.state.outage), so it stays in rotation and says it is degraded. It names the
-    replica (the process, where several share the port) that answered, and whether
-    sessions are tenant-scoped (``"tenancy": "keys"``) or shared by every caller (``"open"``)."""
+    replica (the process, where several share the port) that answered, the workers it knows
+    and which of them drain (offered no new session or round), and whether sessions are
+    tenant-scoped (``"tenancy": "keys"``) or shared by every caller (``"open"``)."""
     gateway = relay(request).gateway
     problems = []
     try:
@@ -41,7 +42,8 @@ async def readyz(request: Request) -> JSONResponse:
     if not serving:
         problems.append("no decode worker")
     status = "not ready" if not serving else "degraded" if problems else "ready"
-    body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers),
+    draining = sorted(w for w, live in gateway.pool.workers.items() if live.info.draining)
+    body = {"status": status, "problems": problems, "workers": sorted(gateway.pool.workers), "draining": draining,
             "replica": gateway.config.replica_id, "tenancy": "open" if gateway.keys.open else "keys"}  # fmt: skip
     return JSONResponse(body, status_code=200 if serving else 503)
 

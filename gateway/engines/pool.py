@@ -4,7 +4,7 @@ Refreshed in the background: the registry's live workers plus the statically
 configured ones, each scraped (``/metrics``) for KV usage and queue lengths. A worker
 that refuses the connection is left out of routing and binding until it answers again;
 one that answers too slowly (busy in a long step, a KV handshake, a loaded host) keeps
-its last load for SLOW_SCRAPE_GRACE_S before it is left out too. A draining one stays
+its last load for a grace (longer while the registry lists it) before it is left out too. A draining one stays
 reachable (``get``) for the streams it serves, but is offered for no new session or
 round. A worker that vanishes from the registry while it still answers its scrapes
 stays for one heartbeat TTL: a Redis restarted empty forgets every worker until their
@@ -33,8 +33,12 @@ from surface.registry import HEARTBEAT_TTL_S, WorkerInfo, live_workers
 
 log = logging.getLogger(__name__)
 # A worker whose scrape times out (an engine busy in a long step, a NIXL handshake, a loaded
-# host) keeps its last load this long; one that refuses the connection leaves at once.
+# host) keeps its last load this long; one that refuses the connection leaves at once. One
+# the registry lists now has its heartbeat to say it lives, and keeps it longer: a niced vLLM
+# API server beside engines busy-polling every core has taken over 10 s to answer its scrape,
+# and leaving it out then refused its sessions' rounds (503) though it would have served them.
 SLOW_SCRAPE_GRACE_S = HEARTBEAT_TTL_S
+REGISTERED_SLOW_SCRAPE_GRACE_S = 6 * HEARTBEAT_TTL_S
 
 
 @dataclass
@@ -101,7 +105,8 @@ class WorkerPool:
             log.info("worker %s did not answer its scrape: %r", info.worker_id, load)
             known = self.workers.get(info.worker_id)
             slow = isinstance(load, UpstreamError) and not load.lost
-            if known is not None and slow and now - self._scraped_at.get(info.worker_id, now) < SLOW_SCRAPE_GRACE_S:
+            grace = REGISTERED_SLOW_SCRAPE_GRACE_S if info.worker_id in listed else SLOW_SCRAPE_GRACE_S
+            if known is not None and slow and now - self._scraped_at.get(info.worker_id, now) < grace:
                 fresh[info.worker_id] = LiveWorker(info, known.load, assigned.get(info.worker_id))  # busy, not gone
             else:
                 left[info.worker_id] = f"its scrapes failed ({load!r})"
