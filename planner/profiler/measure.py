@@ -18,7 +18,8 @@ sim``) is timed over a :class:`~planner.profiler.samples.Grid`:
   measured on the decode engine separately (l - 1 a multiple of the block size, so the
   cache hit is exact).
 
-Every time is a median over ``repeats`` fresh samples, multiplied by ``speed`` (a
+Every time is a median over ``repeats`` fresh samples (the engine's own time for a KV pull
+is the least of them, see ``_transfer_point``), multiplied by ``speed`` (a
 GPU-free worker started with ``--speed s`` runs s times faster than the GPU it
 models). Nothing else is subtracted. First tokens are timed by one of two clocks:
 ``clock="client"`` from sending the request to receiving its token, so HTTP, JSON and
@@ -438,8 +439,11 @@ async def _decode_point(
 async def _transfer_point(
     decode: _Target, prefill: _Target, fresh: Prompts, tokens: int, repeats: int
 ) -> tuple[float, float, float | None]:
-    """Medians of the hand-off's TTFT, of T_pre(tokens - 1, 1) and of the engine's own
-    time for the pull (None where it exports none), on the decode engine, wall clock."""
+    """Medians of the hand-off's TTFT and of T_pre(tokens - 1, 1), and the least of the
+    engine's own times for the pull (None where it exports none), on the decode engine,
+    wall clock. A pull is short (milliseconds) and whatever else runs on the host only ever
+    lengthens it - a late wake-up, a contended copy - so its shortest repeat is the one
+    closest to its cost; a median of three is off when two repeats were delayed."""
     totals, recomputes, pulls = [], [], []
     for _ in range(repeats):
         prompt = fresh(tokens)
@@ -459,7 +463,7 @@ async def _transfer_point(
                 "transfer_tokens - 1 must be a multiple of the engine's block size"
             )
         recomputes.append(recompute.seconds)
-    pulled = statistics.median(pulls) if len(pulls) == repeats else None
+    pulled = min(pulls) if len(pulls) == repeats else None
     return statistics.median(totals), statistics.median(recomputes), pulled
 
 
