@@ -42,9 +42,9 @@ $(PEER_VENVS): bench/peer_venvs.py $(BIN)/.installed
 	$(BIN)/python -m bench.peer_venvs vllm-router
 	@touch $@
 
-# The suite on TEST_WORKERS xdist workers: a module's tests stay on one, and every test that
-# starts vLLM engines on one worker, one module at a time (tests/conftest.py says why).
+# The suite on TEST_WORKERS xdist workers: a module's tests stay on one, and the modules that
+# start vLLM engines (test_vllm*) on one, one after another, first (tests/conftest.py says why).
 TEST_WORKERS ?= 3
 test: $(BIN)/.installed $(VLLM_VENV)/.installed $(PEER_VENVS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
-	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --no-loadscope-reorder

@@ -172,6 +172,10 @@ def worker_vllm(
     kv_events: Annotated[bool, typer.Option(help="vLLM publishes its KV events over ZMQ")] = True,
     kv_events_port: Annotated[int, typer.Option(help="KV events' PUB port; 0: a free one")] = 0,
     kv_events_replay_port: Annotated[int, typer.Option(help="KV events' replay port; 0: a free one")] = 0,
+    engine_niceness: Annotated[
+        int,
+        typer.Option(help="run vLLM this much lower in CPU priority than this supervisor (0-19), on a shared host"),
+    ] = 0,
 ) -> None:
     """vLLM's OpenAI server with the NIXL connector, registered while it serves and
     drained on SIGTERM. Arguments after the options go to vLLM unchanged. vLLM runs
@@ -191,6 +195,8 @@ def worker_vllm(
         raise typer.BadParameter("kv-buffer-device must be cuda or cpu")
     if step_target_ms < 0:
         raise typer.BadParameter("--step-target-ms is 0 (off until assigned) or more")
+    if not 0 <= engine_niceness <= 19:
+        raise typer.BadParameter("--engine-niceness is 0 to 19")
     if not step_sizing and (step_target_ms or step_log):
         raise typer.BadParameter("--step-target-ms and --step-log need ampd's scheduler (drop --no-step-sizing)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s ampd worker vllm: %(message)s")
@@ -211,6 +217,7 @@ def worker_vllm(
         if step_sizing
         else None,
         kv_events=KVEvents(kv_events_port or free_port(), kv_events_replay_port or free_port()) if kv_events else None,
+        niceness=engine_niceness,
     )
     run = supervise(
         launch, load_profile(profile), redis_url, redis_prefix, ready_timeout, drain_timeout_s=drain_timeout,

@@ -36,16 +36,33 @@ def engine(pd_pair) -> Engine:
     return pd_pair[1]
 
 
+def _runs_vllm(module: str) -> bool:
+    """Modules named test_vllm* start real vLLM engines (tests/test_repository_hygiene.py
+    holds every module that takes VLLM_TIMEOUT to the name)."""
+    return Path(module).name.startswith("test_vllm")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Where `make test` runs the suite on several xdist workers (``--dist loadgroup``), a
-    module's tests stay on one worker, so its module-scoped engines and gateways start once;
-    and every test marked ``vllm`` goes to one worker, one module after another, first (the
-    longest chain): each module's vLLM engines busy-poll cores with NIXL's progress threads,
-    and two modules' engines at once would starve each other and everything else."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)  # stable: the module order stays
-    for item in items:
-        group = "vllm" if item.get_closest_marker("vllm") is not None else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The vLLM modules first: under xdist they are one chain, the longest."""
+    items.sort(key=lambda item: not _runs_vllm(item.nodeid.split("::", 1)[0]))  # stable: the order stays
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the suite on several xdist workers. A module's tests stay on one
+    worker, so its module-scoped engines and gateways start once; and the modules that
+    start vLLM engines are one unit of work, on one worker, one module after another
+    (collected first, they start first): each module's engines busy-poll a core each with
+    NIXL's progress thread, and two modules' engines at once would starve each other and
+    every other test."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "vllm" if _runs_vllm(module) else module
+
+    return ByModule(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -129,10 +129,17 @@ def test_openai_sdk_runs_a_multi_round_tool_session(engine: Engine):
         {"role": "tool", "tool_call_id": call.id, "content": "18 C, cloudy"},
     ]
     stream = client.chat.completions.create(
-        model=engine.model, messages=messages, tools=[WEATHER], stream=True, max_tokens=8
-    )
-    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
-    assert "".join(pieces).strip()
+        model=engine.model, messages=messages, tools=[WEATHER], stream=True, max_tokens=8,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    # The second round streams to its end. What a random-weight vLLM model says there is a
+    # draw (seen under load: eight tokens of whitespace, or a tool call the parser holds as
+    # such), so only the GPU-free engine's text is checked.
+    assert finish and finish[-1] in ("stop", "length", "tool_calls") and chunks[-1].usage.completion_tokens > 0
+    assert text.strip() or engine.kind == "vllm"
 
 
 def test_sim_script_replays_rounds_exactly(engine: Engine):

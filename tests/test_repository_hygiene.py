@@ -18,7 +18,9 @@ MACHINE_PATH = re.compile(r"(?<![\w.])/(home|work|tmp|opt|root|Users|var/folders
 URL = re.compile(r"https?://(\[[^\]]+\]|[A-Za-z0-9_.-]+)")
 # Hosts a test may name: this machine, and names that resolve nowhere (a single label, or a
 # TLD reserved for examples and tests, RFC 2606).
-LOCAL_HOST = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1?\]|[A-Za-z0-9_-]+|.*\.(test|example|invalid|localhost))$")
+LOCAL_HOST = re.compile(
+    r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1?\]|[A-Za-z0-9_-]+|.*\.(test|example|invalid|localhost))$"
+)
 UNTRACKED = {"__pycache__", "venvs"}  # what git ignores there: compiled code, the peers' venvs (bench/venvs)
 PACKAGE_HOSTS = re.compile(r"(pypi\.org|pythonhosted\.org|pypi\.nvidia\.com|download\.pytorch\.org)")
 
@@ -77,3 +79,12 @@ def test_every_result_is_listed_with_the_command_that_made_it():
     for row in rows:
         command = row.split("|")[2] if row.count("|") > 3 else ""
         assert re.search(r"ampd |python|make |\.(py|sh)\b", command), row
+
+
+def test_every_module_that_starts_vllm_engines_is_named_so():
+    """tests/conftest.py runs the modules named test_vllm* one after another on one xdist
+    worker; a module that starts vLLM engines (it takes VLLM_TIMEOUT) under another name
+    would run beside them and starve with them."""
+    here = Path(__file__).name
+    takers = [p.name for p in (ROOT / "tests").glob("test_*.py") if p.name != here and "VLLM_TIMEOUT" in p.read_text()]
+    assert takers and [name for name in takers if not name.startswith("test_vllm")] == []

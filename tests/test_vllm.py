@@ -56,6 +56,8 @@ MODEL = "tiny-llama"
 # Each engine's OMP thread is left unpinned so the kernel can move it off the core
 # where the other engine's NIXL progress thread spins; the engines run at a lower
 # priority (niceness 10) so the spinning leaves the gateways, Redis and the test their turn.
+# Their supervisors do not: niced with them, beside other tests, they missed heartbeats
+# (2.5 s Redis timeouts) and their engines dropped out of the registry for a moment.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "AMPD_VLLM_PYTHON": VLLM_PYTHON}
 VLLM_ARGS = (
     "--load-format",
@@ -73,7 +75,7 @@ READY_TIMEOUT_S = 480.0
 # engines took 107 s to start and 86 s more to serve tests/test_vllm_handoffs.py's eight
 # requests on an idle two-core machine, and past the suite's 300 s limit on a busier one.
 # Every module that starts vLLM engines takes this limit.
-VLLM_TIMEOUT = [pytest.mark.timeout(900), pytest.mark.vllm]
+VLLM_TIMEOUT = pytest.mark.timeout(900)  # and the module is named test_vllm* (tests/conftest.py)
 pytestmark = VLLM_TIMEOUT
 
 
@@ -109,11 +111,12 @@ def start_vllm_worker(
         "worker", "vllm", "--model", str(model_dir), "--served-model-name", MODEL, "--role", "both", *options,
         "--host", "127.0.0.1", "--port", str(port), "--side-channel-port", str(free_port()),
         "--kv-buffer-device", "cpu", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
-        "--ready-timeout", str(READY_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S), "--", *vllm_args,
+        "--ready-timeout", str(READY_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S), "--engine-niceness", "10",
+        "--", *vllm_args,
     ]  # fmt: skip
     log = tmp / f"vllm-{name}.log"
     _logs.append(log)
-    child = spawn(f"vllm {name}", port, command, log=log, env=VLLM_ENV, niceness=10)
+    child = spawn(f"vllm {name}", port, command, log=log, env=VLLM_ENV)
     return Engine(child.url, MODEL, child, kind="vllm")
 
 
@@ -288,6 +291,22 @@ test_a_prefill_allowed_more_tokens_holds_the_kv_of_its_output_too = (
 )
 test_handoff_round_two_pulls_only_missing_blocks = protocol.test_handoff_round_two_pulls_only_missing_blocks
 test_stale_transfer_params_leave_the_decoder_healthy = protocol.test_stale_transfer_params_leave_the_decoder_healthy
+
+
+def test_the_engine_runs_niced_below_its_supervisor(vllm):
+    """`--engine-niceness 10`: vLLM (the supervisor's child) is niced, its supervisor, whose
+    heartbeats keep the engine registered, is not."""
+    decode = vllm[1]
+    supervisor = decode.child.process.pid
+    children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == supervisor]
+    assert children and os.getpriority(os.PRIO_PROCESS, supervisor) == 0
+    assert all(os.getpriority(os.PRIO_PROCESS, child) == 10 for child in children)
+
+
+def _parent(pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return None
 
 
 # -- the gateway over vLLM ---------------------------------------------------------------

@@ -77,6 +77,9 @@ class VllmLaunch:
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM as given
     step_sizing: StepSizing | None = None  # None: vLLM's own scheduler and connector
     kv_events: KVEvents | None = None  # None: vLLM publishes none
+    # How much lower than its supervisor vLLM runs: on a host it shares, its NIXL progress
+    # threads busy-poll a core each, and a supervisor niced with them misses heartbeats.
+    niceness: int = 0
 
     @property
     def splits(self) -> bool:

@@ -60,7 +60,7 @@ async def supervise(
     # a supervisor SIGKILLed in a test's teardown left its vLLM engine busy-polling a core.
     engine = await asyncio.create_subprocess_exec(
         *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True,
-        preexec_fn=functools.partial(end_with_parent, signal.SIGTERM, os.getpid()),
+        preexec_fn=functools.partial(_engine_started, os.getpid(), launch.niceness),
     )  # fmt: skip
     redis = heartbeat_client(redis_url)
     try:
@@ -94,6 +94,12 @@ async def supervise(
         await redis.aclose()
         if launch.step_sizing is not None:
             shutil.rmtree(launch.step_sizing.folder, ignore_errors=True)
+
+
+def _engine_started(supervisor: int, niceness: int) -> None:
+    """In the engine's process, before vLLM: it ends with the supervisor, niced as asked."""
+    end_with_parent(signal.SIGTERM, supervisor)
+    os.nice(niceness)
 
 
 async def _wait_ready(

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench.stepsize import STATICS, StaticBudget, parse_statics
+from tests.test_vllm import ROOT, VLLM_PYTHON, VLLM_TIMEOUT
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = os.environ.get("AMPD_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 REDIS_URL = "redis://127.0.0.1:6379/13"
 BENCH = [sys.executable, "-m", "ampd.cli", "bench", "stepsize"]
 
@@ -40,8 +39,7 @@ def test_the_command_refuses_what_it_cannot_measure():
         assert done.returncode == 2 and message in " ".join(done.stdout.split()), (options, done.stdout + done.stderr)
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(900)
+@VLLM_TIMEOUT
 def test_a_small_stepsize_run_sets_ampds_scheduler_beside_a_static_budget_in_vllm(tmp_path):
     """Two arms, each on a fresh engine: vLLM's scheduler with a capped budget (a static arm,
     which runs vLLM's scheduler as the default arm does) and ampd's with its target. vLLM's
