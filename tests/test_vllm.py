@@ -294,13 +294,17 @@ test_stale_transfer_params_leave_the_decoder_healthy = protocol.test_stale_trans
 
 
 def test_the_engine_runs_niced_below_its_supervisor(vllm):
-    """`--engine-niceness 10`: vLLM (the supervisor's child) is niced, its supervisor, whose
-    heartbeats keep the engine registered, is not."""
+    """`--engine-niceness 10`: vLLM (the supervisor's child) is niced, and so is the
+    scheduling group of its session; its supervisor, whose heartbeats keep the engine
+    registered, is not."""
     decode = vllm[1]
     supervisor = decode.child.process.pid
     children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == supervisor]
     assert children and os.getpriority(os.PRIO_PROCESS, supervisor) == 0
     assert all(os.getpriority(os.PRIO_PROCESS, child) == 10 for child in children)
+    autogroup = Path(f"/proc/{children[0]}/autogroup")
+    if autogroup.exists():  # its own session's scheduling group, niced too (supervisor._engine_started)
+        assert autogroup.read_text().split()[-1] == "10"
 
 
 def _parent(pid: int) -> int | None:

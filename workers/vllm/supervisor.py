@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import httpx
 
@@ -97,9 +98,15 @@ async def supervise(
 
 
 def _engine_started(supervisor: int, niceness: int) -> None:
-    """In the engine's process, before vLLM: it ends with the supervisor, niced as asked."""
+    """In the engine's process, before vLLM: it ends with the supervisor, niced as asked.
+    Its session is its own, and where Linux groups a session's processes for the scheduler
+    (autogroup) a process's niceness weighs only inside its group: the group is niced too,
+    or a busy-polling engine takes a full share beside everything else on the host."""
     end_with_parent(signal.SIGTERM, supervisor)
-    os.nice(niceness)
+    if niceness:
+        os.nice(niceness)
+        with contextlib.suppress(OSError):  # no autogroups (another OS, or a kernel without them)
+            Path("/proc/self/autogroup").write_text(str(niceness))
 
 
 async def _wait_ready(
