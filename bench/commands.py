@@ -144,7 +144,7 @@ def bench_run(
         str | None, typer.Option(envvar="AMPD_ROLE_PLAN", help="the pool's split by load, JSON (`ampd plan`)")
     ] = None,
     seed: int = 0,
-    port: Annotated[int, typer.Option(help="gateway port; workers take the next ones")] = 8400,
+    port: Annotated[int, typer.Option(help="gateway port; the workers take free ones")] = 8400,
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/0",
     out: Annotated[Path | None, typer.Option(help="write the results as JSON here")] = None,
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ampd.local_redis import NoRedis, delete_prefix, ensure_redis
+from ampd.local_redis import NoRedis, delete_prefix, ensure_redis, free_port
 from ampd.processes import Child, spawn_gateway, spawn_sim_worker, wait_healthy
 from ampd.stack import STATE_DIR
 from bench.replay import LiveRound, read_back, replay_sessions, with_gateway_tails
@@ -39,7 +40,9 @@ from planner.trace import TraceSession
 from rounds.elastic import RolePlan
 from rounds.policies import POLICIES, step_target
 
-PREFIX = "ampd-bench-run"
+# Its own registry prefix per run: two runs sharing a Redis (parallel tests, two operators)
+# would otherwise route to each other's workers and delete each other's keys at the end.
+PREFIX = f"ampd-bench-run-{os.getpid()}"
 COLOCATED = ("coloc", "continuum")
 BAR_POINTS, BAR_REL = 5.0, 0.10
 
@@ -51,7 +54,7 @@ class LiveSetup:
     policy: str
     prefill_replicas: int
     decode_replicas: int
-    base_port: int  # the gateway's; workers take the next ones
+    base_port: int  # the gateway's; the workers take free ones
     redis_url: str
     itl_rule: ItlRule = "mean"
     pool_replicas: int = 0  # an elastic policy's engines, registered as `both`
@@ -119,7 +122,7 @@ def live_stack(setup: LiveSetup, step_target_s: float = 0.0) -> Iterator[tuple[s
     children: list[Child] = [
         spawn_sim_worker(
             f"{role}-{i}",
-            setup.base_port + 1 + i,
+            free_port(),
             [
                 "--role",
                 role,
