@@ -55,6 +55,12 @@ def pytest_xdist_make_scheduler(config, log):
     (collected first, they start first): each module's engines busy-poll a core each with
     NIXL's progress thread, and two modules' engines at once would starve each other and
     every other test."""
+    return by_module_scheduler()(config, log)
+
+
+def by_module_scheduler() -> type:
+    """xdist's scope scheduler, its units our modules (its private ``_split_scope``, pinned
+    and checked in tests/test_library_seams.py). Imported here: xdist is only on `make test`'s path."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByModule(LoadScopeScheduling):
@@ -62,7 +68,7 @@ def pytest_xdist_make_scheduler(config, log):
             module = nodeid.split("::", 1)[0]
             return "vllm" if _runs_vllm(module) else module
 
-    return ByModule(config, log)
+    return ByModule
 
 
 @pytest.hookimpl(hookwrapper=True)

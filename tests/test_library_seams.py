@@ -51,3 +51,17 @@ def test_a_pool_connection_carries_what_the_channel_opens_its_own_with(url, kind
         assert (like.protocol, like.username, like.password, like.client_name, like.db) == (3, "u", "p", "ampd", 3)
     # Replies are shaped by the client's own callbacks, as redis-py's parse_response applies them.
     assert callable(client.response_callbacks.get("EXPIRE")), f"{SEAM}: no response callback for EXPIRE"
+
+
+def test_xdist_schedules_by_the_scope_our_scheduler_names():
+    """tests/conftest.py's scheduler overrides pytest-xdist's private
+    ``LoadScopeScheduling._split_scope``: each module one unit, the test_vllm* modules one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.conftest import by_module_scheduler
+
+    assert callable(getattr(LoadScopeScheduling, "_split_scope", None)), "xdist no longer splits scopes there"
+    scheduler = object.__new__(by_module_scheduler())
+    assert scheduler._split_scope("tests/test_gateway.py::test_a[1]") == "tests/test_gateway.py"
+    assert scheduler._split_scope("tests/test_vllm_handoffs.py::test_b") == "vllm"
+    assert scheduler._split_scope("tests/test_vllm.py::test_c") == "vllm"
