@@ -4,9 +4,9 @@ Refreshed in the background: the registry's live workers plus the statically
 configured ones, each scraped (``/metrics``) for KV usage and queue lengths. A worker
 that refuses the connection is left out of routing and binding until it answers again;
 one that answers too slowly (busy in a long step, a KV handshake, a loaded host) keeps
-its last load for a grace (longer while the registry lists it) before it is left out too. A draining one stays
-reachable (``get``) for the streams it serves, but is offered for no new session or
-round. A worker that vanishes from the registry while it still answers its scrapes
+its last load for a grace (longer while the registry lists it) before it is left out
+too. A draining one stays reachable (``get``) for the streams it serves, but is offered
+for no new session or round. A worker that vanishes from the registry while it still answers its scrapes
 stays for one heartbeat TTL: a Redis restarted empty forgets every worker until their
 next beats (gateway.state.outage), while a worker that leaves for good drains first and
 stops answering. A worker's engine is asked once what it is (``/version``): for the
