@@ -556,8 +556,12 @@ def test_a_gateway_of_two_processes_is_two_replicas_behind_one_port(stack):
 
 def test_routes_shift_to_local_under_load(tmp_path):
     """Lightly loaded, prefill workers have TTFT slack and take the rounds; when their
-    windowed TTFT passes alpha * TTFT_thres, incremental prefills stay local."""
-    stack = Stack(tmp_path, f"load-{uuid.uuid4().hex[:8]}", gateway_options=("--ttft-slo", "0.05"))
+    windowed TTFT passes alpha * TTFT_thres, incremental prefills stay local. The engines
+    keep the modelled pace (``--speed 1``: tens of milliseconds a prefill) and the SLO is
+    a quarter second, so a quiet round's TTFT stays far below it on a busy machine, and 24
+    sessions queueing on one prefill engine pass it whatever the machine."""
+    stack = Stack(tmp_path, f"load-{uuid.uuid4().hex[:8]}", gateway_options=("--ttft-slo", "0.25"),
+                  worker_options=("--speed", "1"))  # fmt: skip
     try:
 
         def session(i: int) -> list[str]:

@@ -36,7 +36,7 @@ def gateway(tmp_path_factory):
     trace.set_tracer_provider(provider)  # once per process; the gateway's tracer resolves to it
     tmp = tmp_path_factory.mktemp("tracing")
     prefix = f"trace-{uuid.uuid4().hex[:8]}"
-    registry = ("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--speed", "20")
+    registry = ("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--speed", "2")
     workers = [start_sim_worker(tmp, "--role", role, *registry) for role in ("prefill", "decode")]
     config = GatewayConfig(redis_url=REDIS_URL, key_prefix=prefix, policy="disagg", access_log=str(tmp / "access.log"))
     port = free_port()
