@@ -568,10 +568,15 @@ def bench_peers(
     arms: Annotated[
         str,
         typer.Option(
-            help="comma-separated, of ampd-<placement> (memory, ampd, dynamo-kv, llmd-prefix, sglang-cache), "
-            "vllm-router, sglang-router, smg, dynamo"
+            help="comma-separated; colocated: ampd-<placement> (memory, ampd, dynamo-kv, llmd-prefix, "
+            "sglang-cache), vllm-router, sglang-router, smg, dynamo; prefill/decode: ampd-pd, ampd-tail, "
+            "ampd-disagg, vllm-router-pd [default: the deployment's]"
         ),
-    ] = "ampd-memory,ampd-ampd,vllm-router,sglang-router,dynamo",
+    ] = "",
+    deployment: Annotated[str, typer.Option(help="coloc: every engine prefills and decodes; pd: prefill/decode")] = (
+        "coloc"
+    ),
+    prefill_engines: Annotated[int, typer.Option(min=1, help="under --deployment pd: engines that prefill")] = 1,
     sessions: Annotated[int, typer.Option(min=1, help="agent sessions in the trace")] = 60,
     rate: Annotated[float, typer.Option(help="sessions per modelled second (Poisson)")] = 0.25,
     agents: AgentsOption = 12,
@@ -593,7 +598,7 @@ def bench_peers(
     ),
 ) -> None:
     """ampd against vllm-router, SGLang's gateway and Dynamo, live on the same GPU-free engines and agent trace."""
-    from bench.peers import PeersSetup, run_peers_bench
+    from bench.peers import DEFAULT_ARMS, PeersSetup, run_peers_bench
     from perfmodel.slo import ITL_RULES
     from planner.trace import WORKLOADS
 
@@ -602,10 +607,14 @@ def bench_peers(
         raise fail(f"bad --rules {rules!r}: one or more of {', '.join(ITL_RULES)}")
     if workload not in WORKLOADS:
         raise fail(f"unknown workload {workload!r}; one of {', '.join(WORKLOADS)}")
+    if deployment not in DEFAULT_ARMS:
+        raise fail(f"unknown deployment {deployment!r}; one of {', '.join(DEFAULT_ARMS)}")
     setup = PeersSetup(engines, sessions, rate, workload, agents, tenants, seed, profile, speed, num_blocks,
-                       block_size, max_model_len, scale, policy, prefill_slots, rule_list)  # type: ignore[arg-type]  # fmt: skip
+                       block_size, max_model_len, scale, policy, prefill_slots, rule_list, deployment,  # type: ignore[arg-type]
+                       prefill_engines)  # fmt: skip
     console.width = max(console.width, 130)
-    raise typer.Exit(run_peers_bench(console, setup, [a for a in arms.split(",") if a], out))
+    chosen = [a for a in (arms or DEFAULT_ARMS[deployment]).split(",") if a]
+    raise typer.Exit(run_peers_bench(console, setup, chosen, out))
 
 
 @bench_app.command("elastic")

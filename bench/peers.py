@@ -16,6 +16,22 @@ replays the whole trace (bench.replay, as agent sessions) and is measured the sa
 * ``dynamo``: NVIDIA Dynamo's frontend with its KV router. It is started and asked for
   its models, and the reason it cannot serve these engines is recorded (:func:`probe_dynamo`).
 
+``--deployment pd`` puts the same engines in prefill/decode disaggregation instead (the
+first ``prefill_engines`` prefill, the rest decode; vLLM's NIXL hand-off, which the
+GPU-free engine speaks) and races what fronts that:
+
+* ``ampd-pd`` (AMPD's adaptive local/remote incremental prefill with TTFT-aware
+  reordering, ``--policy ampd``), ``ampd-tail`` (its tail-aware routing) and
+  ``ampd-disagg`` (every prefill remote, FIFO: disaggregation as served without AMPD),
+  each placing by the KV index (``--placement ampd``), as vllm-router places prefills by
+  its cache;
+* ``vllm-router-pd``: vllm-router's vLLM P/D mode (``--vllm-pd-disaggregation
+  --kv-connector nixl``, its default ``cache_aware`` policy), which prefills every request
+  on a prefill engine and hands its KV to a decode engine with ``kv_transfer_params``.
+
+SGLang's routers have a P/D mode for SGLang's own engines (their bootstrap hand-off), not
+for vLLM's, so they are not arms of ``pd``.
+
 The peers are installed from PyPI into bench/venvs/ (bench.peer_venvs) at run time. Every
 arm starts cold: the engines' prefix caches are emptied between arms (vLLM's
 ``POST /reset_prefix_cache``, which also tells every KV-event subscriber), and each router
@@ -42,9 +58,10 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import numpy as np
@@ -58,13 +75,24 @@ from perfmodel.profile import load_profile
 from perfmodel.slo import DEFAULT_SCALE, SLO, ItlRule, derived_slo
 from planner.trace import WORKLOADS, Agents, TraceSession, generate, summarize, with_agents
 from rounds.placement import PLACEMENTS
-from surface.wire import metric_totals
+from surface.wire import STEP_LATENESS, bucket_quantile, bucket_totals, metric_totals, source_totals
 
-GATEWAY_ARMS = tuple(f"ampd-{p}" for p in PLACEMENTS)
+Deployment = Literal["coloc", "pd"]
+GATEWAY_ARMS = tuple(f"ampd-{p}" for p in PLACEMENTS)  # colocated, one per placement
+PD_POLICIES = {"ampd-pd": "ampd", "ampd-tail": "ampd-tail", "ampd-disagg": "disagg"}  # arm -> the gateway's policy
+PD_PLACEMENT = "ampd"  # the P/D arms', as vllm-router-pd places prefills by its cache
 ROUTERS = ("vllm-router", "sglang-router", "smg")
-ARMS = (*GATEWAY_ARMS, *ROUTERS, "dynamo")
-BASELINE = "ampd-memory"  # the prefill tokens of every arm are set against this one's
-VENV = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "smg": "smg", "dynamo": "ai-dynamo"}
+ARMS: dict[str, tuple[str, ...]] = {
+    "coloc": (*GATEWAY_ARMS, *ROUTERS, "dynamo"),
+    "pd": (*PD_POLICIES, "vllm-router-pd"),
+}
+DEFAULT_ARMS = {"coloc": "ampd-memory,ampd-ampd,vllm-router,sglang-router,dynamo",
+                "pd": "ampd-pd,ampd-disagg,vllm-router-pd"}  # fmt: skip
+# The prefill tokens of every arm are set against this one's.
+BASELINES: dict[str, str] = {"coloc": "ampd-memory", "pd": "ampd-disagg"}
+BASELINE = BASELINES["coloc"]
+VENV = {"vllm-router": "vllm-router", "vllm-router-pd": "vllm-router", "sglang-router": "sglang-router",
+        "smg": "smg", "dynamo": "ai-dynamo"}  # fmt: skip
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 CACHE_HITS = "vllm:prefix_cache_hits_total"
 REQUESTS = "vllm:request_success_total"
@@ -92,6 +120,14 @@ class PeersSetup:
     policy: str = "coloc"  # the gateway's: every prefill on the session's engine, as behind a router
     prefill_slots: int = 1  # the gateway's default
     rules: tuple[ItlRule, ...] = ("mean", "p95")
+    deployment: Deployment = "coloc"
+    prefill_engines: int = 1  # under ``pd``: the first ones prefill, the rest decode
+
+    def roles(self) -> list[str]:
+        """Each engine's role."""
+        if self.deployment == "coloc":
+            return ["both"] * self.engines
+        return ["prefill"] * self.prefill_engines + ["decode"] * (self.engines - self.prefill_engines)
 
     def trace(self) -> list[TraceSession]:
         plain = generate(WORKLOADS[self.workload], self.sessions, self.rate, self.seed)
@@ -111,10 +147,20 @@ class Row:
     attainment: float  # the trace's rounds that met the SLO, a fraction (failed and lost rounds miss)
     ttft_p50_ms: float | None  # client side, modelled ms (wall x speed), over the rounds completed
     ttft_p95_ms: float | None
-    prefill_tokens: int  # prompt tokens the engines computed (prefix-cache hits not counted)
+    prefill_tokens: int  # prompt tokens the engines computed (prefix-cache hits and pulled KV not counted)
     failed: int  # requests that failed
     lost: int  # rounds never sent: their session stopped at a failed request
     rounds: int  # the trace's
+    deployment: str = "coloc"
+    engine: str = "sim"
+    seed: int = 0
+    initial_ttft_ms: tuple[float | None, float | None] = (None, None)  # P50, P95 of sessions' first rounds
+    incremental_ttft_ms: tuple[float | None, float | None] = (None, None)  # ... of the rounds after
+    gap_p95_ms: float | None = None  # P95 over every gap between two tokens the client received
+    simulated_attainment: float | None = None  # the simulator's, for the same arm (gateway arms)
+    # The engines' step lateness, wall ms, P50 and P95 (bucket bounds): a race is fair only
+    # where the engines kept their modelled pace beside the router under test.
+    step_lateness_ms: tuple[float | None, float | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -124,16 +170,30 @@ class Counters:
     prompt_tokens: tuple[float, ...]
     cache_hits: tuple[float, ...]
     requests: tuple[float, ...]
+    computed_tokens: tuple[float, ...] = ()  # ``local_compute`` prompt tokens (surface.wire.PROMPT_SOURCES)
+    lateness: tuple[tuple[float, float], ...] = ()  # all engines' steps: (bucket bound s, cumulative count)
 
     def minus(self, before: Counters) -> Counters:
         def less(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
             return tuple(x - y for x, y in zip(a, b, strict=True))
 
+        late = tuple((le, n - m) for (le, n), (_, m) in zip(self.lateness, before.lateness, strict=True))
         return Counters(less(self.prompt_tokens, before.prompt_tokens), less(self.cache_hits, before.cache_hits),
-                        less(self.requests, before.requests))  # fmt: skip
+                        less(self.requests, before.requests), less(self.computed_tokens, before.computed_tokens),
+                        late)  # fmt: skip
+
+    def step_lateness_s(self, q: float) -> float | None:
+        """The engines' step lateness at quantile ``q``, wall seconds, as coarse as the
+        histogram's buckets: whether the GPU-free engines kept the modelled pace."""
+        return bucket_quantile(dict(self.lateness), q)
 
     @property
     def computed(self) -> int:
+        """Prompt tokens the engines prefilled: by their own count where they keep one, else
+        every prompt token less the prefix-cache hits (which, under prefill/decode
+        disaggregation, would count a pulled prompt twice)."""
+        if self.computed_tokens:
+            return round(sum(self.computed_tokens))
         return round(sum(self.prompt_tokens) - sum(self.cache_hits))
 
 
@@ -150,43 +210,79 @@ class ArmRun:
 
 
 # -- the measures (pure) ----------------------------------------------------------------------
-def rows(run: ArmRun, slo: SLO, speed: float, rules: Sequence[ItlRule]) -> list[Row]:
+def _percentiles(values_ms: Sequence[float]) -> tuple[float | None, float | None]:
+    """P50 and P95, None where there is nothing to read."""
+    if not values_ms:
+        return None, None
+    p50, p95 = np.percentile(values_ms, (50, 95))
+    return float(p50), float(p95)
+
+
+def rows(run: ArmRun, slo: SLO, speed: float, rules: Sequence[ItlRule], deployment: str = "coloc", seed: int = 0,
+         simulated: Mapping[str, float] | None = None) -> list[Row]:  # fmt: skip
     """``run`` judged by ``slo`` (modelled seconds) under each ITL rule; its wall-clock times
-    are multiplied by ``speed`` first."""
-    ttft = [r.ttft_s * speed * 1e3 for r in run.rounds]
-    p50, p95 = (float(np.percentile(ttft, q)) for q in (50, 95)) if ttft else (None, None)
+    are multiplied by ``speed`` first. ``simulated``: the simulator's attainment by rule."""
+    scaled = speed * 1e3
+    p50, p95 = _percentiles([r.ttft_s * scaled for r in run.rounds])
+    initial = _percentiles([r.ttft_s * scaled for r in run.rounds if r.round == 0])
+    incremental = _percentiles([r.ttft_s * scaled for r in run.rounds if r.round > 0])
+    gap_p95 = _percentiles([g * scaled for r in run.rounds for g in r.gaps])[1]
+    lateness = tuple(None if (s := run.counters.step_lateness_s(q)) is None else 1e3 * s for q in (0.5, 0.95))
     failed = len(run.failures)
     lost = max(0, run.expected_rounds - len(run.rounds) - failed)
     out = []
     for rule in rules:
         met = sum(slo.met(r.ttft_s * speed, None if r.itl(rule) is None else r.itl(rule) * speed) for r in run.rounds)
         attainment = met / run.expected_rounds if run.expected_rounds else 0.0
-        computed = run.counters.computed
-        out.append(Row(run.router, rule, attainment, p50, p95, computed, failed, lost, run.expected_rounds))
+        out.append(Row(run.router, rule, attainment, p50, p95, run.counters.computed, failed, lost,
+                       run.expected_rounds, deployment, "sim", seed, initial, incremental, gap_p95,
+                       None if simulated is None else simulated.get(rule), lateness))  # fmt: skip
     return out
 
 
-def markdown(table_rows: Sequence[Row], failures: dict[str, str], title: str = "") -> str:
-    """The rows as Markdown, each arm's prefill tokens against :data:`BASELINE`'s, and the
-    arms that could not run, with why."""
-    base = {r.itl_rule: r.prefill_tokens for r in table_rows if r.router == BASELINE}
+def markdown(table_rows: Sequence[Row], failures: dict[str, str], title: str = "", deployment: str = "coloc") -> str:
+    """The rows as Markdown, each arm's prefill tokens against its deployment's baseline
+    (:data:`BASELINES`), and the arms that could not run, with why."""
+    baseline = BASELINES[deployment]
+    base = {r.itl_rule: r.prefill_tokens for r in table_rows if r.router == baseline}
 
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:,.0f}"
 
+    def late(v: float | None) -> str:
+        return "-" if v is None else f"<= {v:g}"
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
     lines = [f"# {title}\n"] if title else []
-    lines += ["| router | ITL rule | SLO attainment | TTFT p50 / p95 (ms) | prefill tokens computed | "
-              f"vs {BASELINE} | failed / lost |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines += ["| router | ITL rule | SLO attainment (simulated) | TTFT p50 / p95 (ms) | initial TTFT p50 / p95 | "
+              f"incremental TTFT p50 / p95 | P95 gap (ms) | prefill tokens computed | vs {baseline} | failed / lost | "
+              "engines' step lateness p50 / p95 (wall ms) |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in table_rows:
         share = f"{r.prefill_tokens / base[r.itl_rule]:.2f}x" if base.get(r.itl_rule) else "-"
-        lines.append(f"| {r.router} | {r.itl_rule} | {100 * r.attainment:.1f}% | {ms(r.ttft_p50_ms)} / "
-                     f"{ms(r.ttft_p95_ms)} | {r.prefill_tokens:,} | {share} | {r.failed} / {r.lost} |")  # fmt: skip
+        lines.append(f"| {r.router} | {r.itl_rule} | {pct(r.attainment)} ({pct(r.simulated_attainment)}) | "
+                     f"{ms(r.ttft_p50_ms)} / {ms(r.ttft_p95_ms)} | {ms(r.initial_ttft_ms[0])} / "
+                     f"{ms(r.initial_ttft_ms[1])} | {ms(r.incremental_ttft_ms[0])} / {ms(r.incremental_ttft_ms[1])} | "
+                     f"{ms(r.gap_p95_ms)} | {r.prefill_tokens:,} | {share} | {r.failed} / {r.lost} | "
+                     f"{late(r.step_lateness_ms[0])} / {late(r.step_lateness_ms[1])} |")  # fmt: skip
     lines += [f"\n{arm} could not be run: {why}" for arm, why in failures.items()]
     return "\n".join(lines) + "\n"
 
 
-def peer_argv(peer: str, venv: Path, port: int, workers: Sequence[str], metrics_port: int) -> list[str]:
-    """A router in front of ``workers``, by its cache-aware policy."""
+def peer_argv(peer: str, venv: Path, port: int, workers: Sequence[str], metrics_port: int,
+              prefills: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """A router in front of ``workers``, by its cache-aware policy; ``vllm-router-pd``: in
+    front of the ``prefills`` and the decode engines ``workers``, in its vLLM P/D mode with
+    its default policy."""
+    if peer == "vllm-router-pd":
+        if not prefills:
+            raise ValueError("vllm-router-pd needs prefill engines")
+        return [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                "--vllm-pd-disaggregation", *(a for url in prefills for a in ("--prefill", url)),
+                *(a for url in workers for a in ("--decode", url)), "--kv-connector", "nixl",
+                "--prometheus-port", str(metrics_port), "--log-level", "warning"]  # fmt: skip
     if peer == "vllm-router":
         return [str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                 *workers, "--policy", "cache_aware", "--prometheus-port", str(metrics_port),
@@ -200,9 +296,17 @@ def peer_argv(peer: str, venv: Path, port: int, workers: Sequence[str], metrics_
 
 # -- the engines --------------------------------------------------------------------------------
 def read_counters(urls: Sequence[str]) -> Counters:
-    totals = [metric_totals(httpx.get(f"{url}/metrics", timeout=30).text) for url in urls]
+    pages = [httpx.get(f"{url}/metrics", timeout=30).text for url in urls]
+    totals = [metric_totals(page) for page in pages]
     return Counters(tuple(t.get(PROMPT_TOKENS, 0.0) for t in totals), tuple(t.get(CACHE_HITS, 0.0) for t in totals),
-                    tuple(t.get(REQUESTS, 0.0) for t in totals))  # fmt: skip
+                    tuple(t.get(REQUESTS, 0.0) for t in totals),
+                    tuple(source_totals(page)["local_compute"] for page in pages),
+                    _summed_buckets([bucket_totals(page, STEP_LATENESS) for page in pages]))  # fmt: skip
+
+
+def _summed_buckets(histograms: Sequence[dict[float, float]]) -> tuple[tuple[float, float], ...]:
+    bounds = sorted({le for h in histograms for le in h})
+    return tuple((le, sum(h.get(le, 0.0) for h in histograms)) for le in bounds)
 
 
 def reset_caches(urls: Sequence[str], timeout_s: float = 120.0) -> None:
@@ -223,9 +327,10 @@ def engines(setup: PeersSetup, registry: Sequence[str], state: Path) -> Iterator
                "--enable-prompt-tokens-details", *registry]  # fmt: skip
     children = []
     try:
-        for i in range(setup.engines):
+        for i, role in enumerate(setup.roles()):
             port = free_port()
-            children.append(spawn_sim_worker(f"engine-{i}", port, options, log=state / f"engine-{i}.log", cpu=core))
+            children.append(spawn_sim_worker(f"engine-{i}", port, [*options, "--role", role],
+                                             log=state / f"engine-{i}.log", cpu=core))  # fmt: skip
         if (dead := wait_healthy(children, timeout_s=120)) is not None:
             raise RuntimeError(f"{dead.name} did not start; see {state}/{dead.name}.log")
         yield children
@@ -252,22 +357,34 @@ def _wait_serving(url: str, model: str, child: Child, log: Path, timeout_s: floa
         time.sleep(0.2)
 
 
+def gateway_options(arm: str, setup: PeersSetup) -> list[str] | None:
+    """The ampd gateway's options for ``arm``; None for a peer's arm."""
+    common = ["--prefill-slots", str(setup.prefill_slots), "--max-queue", "4096"]
+    if arm in GATEWAY_ARMS:
+        return ["--policy", setup.policy, "--placement", arm.removeprefix("ampd-"), *common]
+    if arm in PD_POLICIES:  # placed by the KV index: Eq. 2 sees each prefill engine's true cached prefix
+        return ["--policy", PD_POLICIES[arm], "--placement", PD_PLACEMENT, *common]
+    return None
+
+
 @contextlib.contextmanager
 def serving(arm: str, setup: PeersSetup, workers: Sequence[str], model: str, registry: Sequence[str],
             state: Path) -> Iterator[str]:  # fmt: skip
     """The arm started in front of the engines; its URL."""
     log = state / f"{arm}.log"
-    if arm in GATEWAY_ARMS:
-        options = [*registry, "--policy", setup.policy, "--placement", arm.removeprefix("ampd-"),
-                   "--prefill-slots", str(setup.prefill_slots), "--max-queue", "4096"]  # fmt: skip
-        child = spawn_gateway(arm, free_port(), options, log)
+    options = gateway_options(arm, setup)
+    if options is not None:
+        child = spawn_gateway(arm, free_port(), [*registry, *options], log)
     else:
         venv = ensure_venv(VENV[arm])
-        argv = peer_argv(arm, venv, port := free_port(), workers, free_port())
+        roles = setup.roles()
+        decodes = [url for url, role in zip(workers, roles, strict=True) if role != "prefill"]
+        prefills = [url for url, role in zip(workers, roles, strict=True) if role == "prefill"]
+        argv = peer_argv(arm, venv, port := free_port(), decodes, free_port(), prefills)
         child = Child(arm, f"http://127.0.0.1:{port}", subprocess.Popen(argv, stdout=log.open("ab"),
                                                                         stderr=subprocess.STDOUT))  # fmt: skip
     try:
-        if arm in GATEWAY_ARMS:  # a cache placement's index must follow every engine before the trace starts
+        if options is not None:  # a cache placement's index must follow every engine before the trace starts
             _wait_indexed(child, 0 if arm == "ampd-memory" else len(workers))
         _wait_serving(child.url, model, child, log)
         yield child.url
@@ -341,9 +458,15 @@ def simulated(setup: PeersSetup, trace: Sequence[TraceSession], slo: SLO, arms: 
 
     profile, out = load_profile(setup.profile), {}
     scheduler = SchedulerConfig(block_size=setup.block_size, num_blocks=setup.num_blocks)
-    for arm in (a for a in arms if a in GATEWAY_ARMS):
-        config = SimConfig(Pool(profile, setup.engines), None, slo, policy=setup.policy,
-                           placement=arm.removeprefix("ampd-"), scheduler=scheduler, seed=setup.seed)  # type: ignore[arg-type]  # fmt: skip
+    decode = Pool(profile, setup.roles().count("decode") or setup.engines)
+    prefill = Pool(profile, setup.prefill_engines) if setup.deployment == "pd" else None
+    for arm in (a for a in arms if a in GATEWAY_ARMS or a in PD_POLICIES):
+        if arm in PD_POLICIES:
+            policy, placement = PD_POLICIES[arm], PD_PLACEMENT
+        else:
+            policy, placement = setup.policy, arm.removeprefix("ampd-")
+        config = SimConfig(decode, prefill, slo, policy=policy, placement=placement,  # type: ignore[arg-type]
+                           scheduler=scheduler, seed=setup.seed, prefill_slots=setup.prefill_slots)  # fmt: skip
         sim = Simulation(config, list(trace))
         sim.run()
         report = sim.report()
@@ -368,13 +491,20 @@ def _one_arm(console: Console, arm: str, trace: Sequence[TraceSession], setup: P
 
 
 def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], out: Path | None) -> int:
-    unknown = [a for a in arms if a not in ARMS]
+    known = ARMS[setup.deployment]
+    unknown = [a for a in arms if a not in known]
     if unknown or not arms:
-        console.print(f"[red]unknown arms {unknown}; known: {', '.join(ARMS)}[/red]")
+        console.print(f"[red]unknown arms {unknown} for --deployment {setup.deployment}; known: "
+                      f"{', '.join(known)}[/red]")  # fmt: skip
+        return 2
+    if setup.deployment == "pd" and not 0 < setup.prefill_engines < setup.engines:
+        console.print(f"[red]--deployment pd needs 1 to {setup.engines - 1} prefill engines of {setup.engines}[/red]")
         return 2
     trace, started = setup.trace(), time.perf_counter()
     slo = setup.slo(trace)
     rounds = sum(len(s.rounds) for s in trace)
+    with console.status("simulating the gateway's arms"):
+        predicted = simulated(setup, trace, slo, arms)
     console.print(f"{len(trace)} sessions, {rounds} rounds, {setup.agents} agent types x {setup.tenants} tenants; "
                   f"SLO TTFT {slo.ttft_s * 1e3:,.0f} ms, ITL {slo.itl_s * 1e3:.1f} ms ({setup.profile}, modelled; "
                   f"engines at {setup.speed:g}x)")  # fmt: skip
@@ -402,7 +532,8 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
                 try:
                     run = _one_arm(console, arm, trace, setup, workers, model, registry, state)
                     runs.append(run)
-                    brief = rows(run, slo, setup.speed, setup.rules)
+                    brief = rows(run, slo, setup.speed, setup.rules, setup.deployment, setup.seed,
+                                 predicted.get(arm, {}).get("attainment"))  # fmt: skip
                     table_rows += brief
                     console.print(f"{arm}: {run.wall_s:.0f} s, prefill {run.counters.computed:,} tokens, "
                                   + ", ".join(f"{r.itl_rule} {r.attainment:.1%}" for r in brief)
@@ -416,11 +547,14 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
         delete_prefix(redis.url, prefix)
         redis.stop()
     wall = time.perf_counter() - started
+    decoders = setup.engines - setup.prefill_engines
+    engines_are = (f"{setup.engines} GPU-free engines" if setup.deployment == "coloc"
+                   else f"{setup.prefill_engines} prefill + {decoders} decode GPU-free engines")  # fmt: skip
     title = (f"{len(trace)} {setup.workload} sessions ({setup.agents} agent types x {setup.tenants} tenants) at "
-             f"{setup.rate:g}/s on {setup.engines} GPU-free engines ({setup.profile} at {setup.speed:g}x, "
+             f"{setup.rate:g}/s on {engines_are} ({setup.profile} at {setup.speed:g}x, "
              f"{setup.num_blocks * setup.block_size:,} KV tokens each), live ({wall / 60:.0f} min on "
              f"{os.cpu_count()} cores)")  # fmt: skip
-    report = markdown(table_rows, failures, title)
+    report = markdown(table_rows, failures, title, setup.deployment)
     console.print(report)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -436,7 +570,7 @@ def run_peers_bench(console: Console, setup: PeersSetup, arms: Sequence[str], ou
                       "cache_hit_tokens": round(sum(r.counters.cache_hits)),
                       "requests_by_engine": [round(x) for x in r.counters.requests],
                       "failures": dict(list(r.failures.items())[:5])} for r in runs],
-            "simulated": simulated(setup, trace, slo, arms),
+            "simulated": predicted,
             "failures": failures,
         }  # fmt: skip
         out.write_text(json.dumps(document, indent=2) + "\n")

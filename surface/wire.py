@@ -101,6 +101,12 @@ ITL = "vllm:inter_token_latency_seconds"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"
 CACHE_CONFIG = "vllm:cache_config_info"
 NIXL_TRANSFER_TIME = "vllm:nixl_xfer_time_seconds"
+# Prompt tokens by where their KV came from (vLLM's PromptTokenStats): the sample's name,
+# and its ``source`` labels. ``local_compute`` is the prefill an engine really computed.
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Not vLLM's: how late the GPU-free engine's steps end against their modelled deadline.
+STEP_LATENESS = "ampd:sim_step_lateness_seconds"
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,37 @@ def parse_load(exposition: str) -> WorkerLoad:
         if name in values:
             values[name] += float(line.rsplit(" ", 1)[1])
     return WorkerLoad(kv_usage=values[KV_USAGE], running=int(values[RUNNING]), waiting=int(values[WAITING]))
+
+
+def source_totals(exposition: str) -> dict[str, float]:
+    """:data:`PROMPT_TOKENS_BY_SOURCE` by its ``source`` label, summed over the others."""
+    out = dict.fromkeys(PROMPT_SOURCES, 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == PROMPT_TOKENS_BY_SOURCE and sample.labels.get("source") in out:
+                out[sample.labels["source"]] += sample.value
+    return out
+
+
+def bucket_totals(exposition: str, histogram: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts by upper bound (``le``), summed over labels."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == f"{histogram}_bucket":
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The upper bound of the bucket that holds quantile ``q`` of cumulative ``buckets`` (as
+    coarse as the buckets; ``inf`` past the last bound); None without observations."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    wanted = q * buckets[bounds[-1]]
+    return next(le for le in bounds if buckets[le] >= wanted)
 
 
 def metric_totals(exposition: str) -> dict[str, float]:

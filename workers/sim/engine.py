@@ -162,6 +162,7 @@ class AsyncEngine:
                 stream.first_token_at = now
                 self.metrics.ttft.observe(now - stream.arrival)
                 self.metrics.prompt_tokens.inc(request.num_prompt_tokens)
+                self._count_sources(request, stream.pulled_tokens)
             else:
                 self.metrics.itl.observe(now - (stream.last_token_at or now))
             stream.last_token_at = now
@@ -171,6 +172,17 @@ class AsyncEngine:
                 self._finished(stream, event.finish_reason, now)
             stream.events.put_nowait(event)
         self.metrics.generation_tokens.inc(generated)
+
+    def _count_sources(self, request: Request, pulled: int) -> None:
+        """Where a prompt's tokens came from, as vLLM counts them once its prefill is over
+        (vllm/v1/metrics/stats.py, PromptTokenStats): its own prefix cache, another engine's
+        KV pulled over NIXL, and computed here - the rest."""
+        local = min(request.num_cached_tokens, request.num_prompt_tokens)
+        external = min(pulled, request.num_prompt_tokens - local)
+        sources = self.metrics.prompt_tokens_by_source
+        sources["local_cache_hit"].inc(local)
+        sources["external_kv_transfer"].inc(external)
+        sources["local_compute"].inc(request.num_prompt_tokens - local - external)
 
     def _finished(self, stream: RequestStream, reason: str, now: float) -> None:
         self.streams.pop(stream.request.request_id, None)

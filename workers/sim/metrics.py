@@ -138,6 +138,9 @@ class EngineMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        by_source = Counter(wire.PROMPT_TOKENS_BY_SOURCE.removesuffix("_total"), "Number of prompt tokens by source.",
+                            [*LABELS, "source"], registry=self.registry)  # fmt: skip
+        self.prompt_tokens_by_source = {source: by_source.labels(*labels, source) for source in wire.PROMPT_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.nixl_xfer_time = histogram(
             wire.NIXL_TRANSFER_TIME,
@@ -157,7 +160,7 @@ class EngineMetrics:
         self.nixl_failed = counter("vllm:nixl_num_failed_transfers", "Number of failed NIXL KV Cache transfers.")
         # Not a vLLM metric: how late the sim's steps end against their modelled deadline.
         self.step_lateness = histogram(
-            "ampd:sim_step_lateness_seconds",
+            wire.STEP_LATENESS,
             "How much later than modelled a simulated engine step ended (wall clock).",
             (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
         )
