@@ -38,9 +38,10 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.rounds import Round, RoundRunner
 from gateway.state.failover import Failover
-from gateway.state.outage import RedisHealth
+from gateway.state.outage import REDIS_DOWN, RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
 from gateway.state.redis_batch import RedisBatch
+from gateway.state.round_ledger import foreign as foreign_requests
 from gateway.state.round_reads import RoundReads
 from gateway.state.sessions import SessionStore, continues, conversation_hashes, explicit_session_id, new_session
 from gateway.tenancy import KEYS_POLL_S, Keyring
@@ -78,6 +79,8 @@ class Gateway:
     kv: KVSubscriber
     failover: Failover
     elastic: ElasticLoop | None = None
+    # Requests each engine's last scrape showed that no replica sent (gateway.state.round_ledger).
+    foreign: dict[str, int] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -112,7 +115,14 @@ class Gateway:
                 log.exception("pool refresh failed")
 
     async def _refresh(self) -> None:
-        await self.pool.refresh()
+        if not self.config.kv_index:  # only a placement by the engines' caches reads load by requests
+            await self.pool.refresh()
+        else:
+            before = await self._ledger_counts(list(self.pool.workers))
+            await self.pool.refresh()
+            after = await self._ledger_counts(list(self.pool.workers))
+            scraped = {w: live.load.running + live.load.waiting for w, live in self.pool.workers.items()}
+            self.foreign = foreign_requests(scraped, before, after)
         self.queues.watch(self.pool.workers)
         self.tokenizers.prepare(self.pool.models())
         await self.step_targets.assign(w.info for w in self.pool.workers.values())
@@ -253,23 +263,30 @@ class Gateway:
         r.indexed = dict(signals.cached_tokens) or None
         return r
 
+    async def _ledger_counts(self, worker_ids: list[str]) -> dict[str, int]:
+        """The round ledger's counts; none while Redis is away (nothing then counts as foreign)."""
+        try:
+            return await self.queues.ledger.counts(worker_ids)
+        except REDIS_DOWN as exc:
+            self.health.failed("round ledger", exc)
+            return {}
+
     def _placement_signals(self, model: str, counted: Counted, cache_salt: str | None, signals: Signals) -> Signals:
         """Under a placement by the engines' caches (rounds.placement), the signals the core
         binds and routes by gain what each engine holds of the prompt, as the KV index sees
-        it, and each engine's requests waiting and running at its last scrape. Under
-        ``memory`` no ids are made (``_count``) and nothing is hashed, so the hot path pays
-        nothing."""
+        it, and the requests its last scrape showed that no replica sent (the round ledger
+        counts the rest exactly: gateway.state.round_ledger). Under ``memory`` no ids are
+        made (``_count``) and nothing is hashed, so the hot path pays nothing."""
         if counted.ids is None:  # memory, or no ids for the model: placement falls back to memory
             return signals
         workers = self._candidates(model)
         hashing = self.kv.hashing(workers)
         if not hashing:  # no engine indexed
             return signals
-        loads = {w: live.load for w in workers if (live := self.pool.get(w)) is not None}
+        unwritten = self.queues.ledger.unwritten()
         return replace(
             signals, cached_tokens=cached_tokens(self.kv.index, hashing, counted.ids, cache_salt),
-            waiting={w: load.waiting for w, load in loads.items()},
-            running={w: load.running for w, load in loads.items()},
+            running={w: n + unwritten[w] + self.foreign.get(w, 0) for w, n in signals.running.items()},
         )  # fmt: skip
 
     def _candidates(self, model: str) -> list[str]:

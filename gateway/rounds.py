@@ -69,19 +69,38 @@ class Round:
         self.route = self.plan.route.kind
 
 
+def ledger_entries(plan: RoundPlan, decode_worker: str) -> list[tuple[str, str]]:
+    """A round's entries in the round ledger (gateway.state.round_ledger): (worker, entry)."""
+    task_id, entries = plan.task.task_id, [(decode_worker, plan.task.task_id)]
+    if plan.route.kind == "remote":
+        entries.append((plan.route.worker_id, f"{task_id}:prefill"))
+    return entries
+
+
 class Holds:
     """What a running round holds, each let go exactly once, at the latest when it ends:
-    its prefill slot (until its prefill is over) and its arriving tokens (until its KV
-    reaches the decode worker)."""
+    its prefill slot (until its prefill is over), its arriving tokens (until its KV
+    reaches the decode worker) and its entries in the round ledger (a remote prefill's
+    until it answers, the round's until it ends; gateway.state.round_ledger)."""
 
     def __init__(self, queues: PrefillQueues, pool: WorkerPool, r: Round) -> None:
         self.queues, self.pool, self.r = queues, pool, r
         self.slot: str | None = None  # the worker whose prefill slot the round holds
+        self.prefilling: str | None = None  # the remote prefill's worker, in the ledger
+        self.decoding = r.decode.info.worker_id  # where the round's ledger entry is (it stays through a migration)
+
+    async def start(self) -> None:
+        if self.r.route == "remote":
+            self.prefilling = self.r.plan.route.worker_id
+        await self.queues.ledger.start(*ledger_entries(self.r.plan, self.decoding))
 
     def prefill_over(self) -> None:
         if self.slot is not None:
             self.queues.release(self.slot, self.r.plan.task.task_id)
             self.slot = None
+        if self.prefilling is not None:
+            self.queues.ledger_end(*ledger_entries(self.r.plan, self.decoding)[1])
+            self.prefilling = None
 
     def landed(self) -> None:
         if self.r.arriving:
@@ -89,11 +108,13 @@ class Holds:
             self.r.arriving = 0
 
     async def __aenter__(self) -> Holds:
+        await self.start()
         return self
 
     async def __aexit__(self, *_: object) -> None:
         self.prefill_over()
         self.landed()
+        self.queues.ledger_end(self.decoding, self.r.plan.task.task_id)
 
 
 class RoundRunner:
@@ -145,6 +166,7 @@ class RoundRunner:
         )
         self.metrics.decision.observe(time.perf_counter() - started)
         self.metrics.routes.labels(plan.route.kind, plan.route.reason).inc()
+        self.queues.ledger.placed(*ledger_entries(plan, decode.info.worker_id))  # rounds after it see it at once
         return Round(plan, decode, arriving=l_total if bound.moved else 0)
 
     def _candidate(self, worker: LiveWorker) -> Candidate:

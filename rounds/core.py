@@ -67,7 +67,10 @@ class Signals:
     prompt tokens of the prefills queued or running per worker, and for placement
     (rounds.placement) the round's prompt tokens each worker's prefix cache holds - as an
     index of the engines' KV events reports them; a worker absent holds what the
-    session's state says - and its requests waiting and in flight."""
+    session's state says - and its load in requests, counted as they are dispatched, not
+    scraped: ``waiting``, the tasks in its prefill queue; ``running``, the rounds bound to
+    it from their start until they close, and the remote prefills placed on it until they
+    answer (gateway.state.round_ledger live, planner.simulator.gateway_side simulated)."""
 
     queue_costs: Mapping[str, float]
     means: Mapping[tuple[str, str], float]

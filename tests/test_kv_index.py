@@ -5,10 +5,12 @@ gateway over GPU-free engines whose view matches what the engines take from thei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import re
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,6 +20,7 @@ import redis.asyncio as aioredis
 import zmq
 
 from ampd.local_redis import delete_prefix
+from ampd.processes import Child
 from gateway.engines.kv_index import Hashing, KVIndex, cached_tokens, request_hashes
 from gateway.engines.kv_subscriber import SeqOrder, read
 from gateway.engines.model_tokenizer import Counted, ModelTokenizer
@@ -301,43 +304,53 @@ def test_the_gateways_index_predicts_what_gpu_free_engines_take_from_their_cache
         delete_prefix(REDIS_URL, prefix)
 
 
+@contextlib.contextmanager
+def placing(tmp: Path, engines: int, placement: str, *engine_options: str) -> Iterator[tuple[Child, dict[str, str]]]:
+    """GPU-free engines (``--role both``) behind a gateway placing by ``placement``, its KV
+    index following every engine: the gateway, and the engines' URLs by worker id."""
+    prefix = f"kvp-{uuid.uuid4().hex[:8]}"
+    options = ("--num-blocks", "512", "--block-size", str(BLOCK), "--max-model-len", "4096",
+               "--enable-prompt-tokens-details", "--redis-url", REDIS_URL, "--redis-prefix", prefix,
+               *engine_options)  # fmt: skip
+    started = [start_sim_worker(tmp, *options) for _ in range(engines)]
+    gateway = None
+    try:
+        gateway = start_gateway(tmp, REDIS_URL, prefix, "--placement", placement, "--policy", "coloc")
+        view = wait_for(lambda: len(v := index_view(gateway.url)) == engines and v, "every engine followed")
+        rdb = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+        yield gateway, {w: rdb.hget(f"{prefix}:worker:{w}", "url") for w in view}
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for engine in started:
+            stop(engine)
+        delete_prefix(REDIS_URL, prefix)
+
+
 def test_a_gateway_placing_by_the_index_binds_new_sessions_where_their_agents_prompt_is_cached(tmp_path: Path):
     """``--placement ampd`` over two GPU-free engines: each holds one agent's long system
     prompt (put there straight, not through the gateway, so nothing else says where it
     is); every new session of an agent is bound to the engine that caches its prompt, and
     its first prompt is taken from that cache. Only the KV index knows: both engines are
     equally loaded, and the sessions are new."""
-    prefix = f"kvp-{uuid.uuid4().hex[:8]}"
-    options = ("--num-blocks", "512", "--block-size", str(BLOCK), "--max-model-len", "4096",
-               "--enable-prompt-tokens-details", "--redis-url", REDIS_URL, "--redis-prefix", prefix)  # fmt: skip
-    engines = [start_sim_worker(tmp_path, *options) for _ in range(2)]
-    gateway = None
-    try:
-        gateway = start_gateway(tmp_path, REDIS_URL, prefix, "--placement", "ampd", "--policy", "coloc")
-        view = wait_for(lambda: len(v := index_view(gateway.url)) == 2 and v, "both engines followed")
-        rdb = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-        by_url = {rdb.hget(f"{prefix}:worker:{w}", "url"): w for w in view}
-        model = engines[0].model
+    with placing(tmp_path, 2, "ampd") as (gateway, urls):
+        by_url = {url: w for w, url in urls.items()}
+        engines = list(urls.values())
+        model = httpx.get(f"{engines[0]}/v1/models").json()["data"][0]["id"]
         rng = random.Random(5)
         agents = [" ".join(f"{name}{rng.randint(0, 999)}" for _ in range(300)) for name in ("plan", "code")]
-        for engine, system in zip(engines, agents, strict=True):  # each engine caches one agent's prompt
-            reply = httpx.post(f"{engine.url}/v1/chat/completions", timeout=120, json={
+        for url, system in zip(engines, agents, strict=True):  # each engine caches one agent's prompt
+            reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
                 "max_tokens": 1})  # fmt: skip
             assert reply.status_code == 200, reply.text
-            synced(gateway.url, by_url[engine.url], engine.url, model)
+            synced(gateway.url, by_url[url], url, model)
         for k in range(4):
             agent = k % 2
             messages = [{"role": "system", "content": agents[agent]}, {"role": "user", "content": f"task {k}"}]
             reply = httpx.post(f"{gateway.url}/v1/chat/completions", timeout=120,
                                json={"model": model, "messages": messages, "max_tokens": 4})  # fmt: skip
             assert reply.status_code == 200, reply.text
-            assert reply.headers["x-ampd-decode-worker"] == by_url[engines[agent].url], (k, reply.headers)
+            assert reply.headers["x-ampd-decode-worker"] == by_url[engines[agent]], (k, reply.headers)
             cached = reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= 250, (k, cached)  # the system prompt's blocks came from the cache
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for engine in engines:
-            stop(engine)
-        delete_prefix(REDIS_URL, prefix)

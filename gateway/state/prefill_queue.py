@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from functools import partial
+from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter
@@ -30,6 +31,7 @@ from gateway.state.leases import Leases
 from gateway.state.outage import REDIS_DOWN, RedisHealth
 from gateway.state.redis_batch import RedisBatch
 from gateway.state.replicas import RECONCILE_S, Dispatched, Replicas
+from gateway.state.round_ledger import RoundLedger
 from gateway.state.stats import WindowedStats
 from rounds.core import RoundCore, Signals
 from rounds.reordering import QueuedTask
@@ -38,6 +40,7 @@ from rounds.routing import PrefillTask
 log = logging.getLogger(__name__)
 
 SWEEP_S = 0.1
+LOAD_FIELDS = 5  # what SIGNALS answers per worker (gateway.state.scripts)
 MAX_CONFLICTS = 64  # commits lost to concurrent dispatchers before a dispatch call gives up
 
 
@@ -67,6 +70,7 @@ class PrefillQueues:
         self.slots, self.max_queue, self.task_ttl_s, self.health = slots, max_queue, task_ttl_s, health
         self.leases = Leases(redis, batch, prefix)
         self.replicas = Replicas(redis, prefix, replica_id, self.leases, self.release, health)
+        self.ledger = RoundLedger(redis, batch, prefix, health)
         self._workers: set[str] = set()
         self._active: set[str] = set()  # workers this replica is dispatching right now
         self._dirty: set[str] = set()  # ... and that got new work meanwhile
@@ -94,6 +98,7 @@ class PrefillQueues:
             asyncio.create_task(self.replicas.listen_forever(await self.replicas.subscribe()), name="replica-notices"),
             asyncio.create_task(self._sweep(), name="queues-sweep"),
             asyncio.create_task(self.leases.renew_forever(), name="leases-renew"),
+            asyncio.create_task(self.ledger.renew_forever(), name="ledger-renew"),
         ]
 
     async def stop(self) -> None:
@@ -133,8 +138,14 @@ class PrefillQueues:
         wait in, no statistics, so the profiles' estimates alone (gateway.state.outage)."""
         if flat is None:
             return Signals(dict.fromkeys(ids, 0.0), {}, dict.fromkeys(ids, 0))
-        costs, tokens = _parse_loads(ids, flat[: 3 * len(ids)])
-        return Signals(costs, stats.parse_means(wanted, flat[3 * len(ids) :]), tokens)
+        loads = [flat[i : i + LOAD_FIELDS] for i in range(0, LOAD_FIELDS * len(ids), LOAD_FIELDS)]
+        return Signals(
+            {w: max(0.0, float(cost)) for w, (cost, *_) in zip(ids, loads, strict=True)},
+            stats.parse_means(wanted, flat[LOAD_FIELDS * len(ids) :]),
+            {w: int(queued) + int(held) for w, (_, queued, held, *_) in zip(ids, loads, strict=True)},
+            waiting={w: int(load[3]) for w, load in zip(ids, loads, strict=True)},
+            running={w: int(load[4]) for w, load in zip(ids, loads, strict=True)},
+        )
 
     async def submit(
         self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float, tokens: int = 0
@@ -182,7 +193,14 @@ class PrefillQueues:
 
     def release(self, worker_id: str, task_id: str) -> None:
         """``finish`` in the background: the request path does not wait for it."""
-        task = asyncio.get_running_loop().create_task(self.finish(worker_id, task_id))
+        self._in_background(self.finish(worker_id, task_id))
+
+    def ledger_end(self, worker_id: str, entry: str) -> None:
+        """The ledger's entry struck in the background (gateway.state.round_ledger)."""
+        self._in_background(self.ledger.end(worker_id, entry))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -325,9 +343,3 @@ class PrefillQueues:
                     self.health.failed("prefill queue", exc)
                     self.replicas.start_all_unqueued()
                     break
-
-
-def _parse_loads(ids: list[str], flat: list) -> tuple[dict[str, float], dict[str, int]]:
-    costs = {w: max(0.0, float(c)) for w, c in zip(ids, flat[0::3], strict=True)}
-    tokens = {w: int(q) + int(r) for w, q, r in zip(ids, flat[1::3], flat[2::3], strict=True)}
-    return costs, tokens

@@ -129,8 +129,9 @@ end
 # (``a``: 0 for SIGNALS, after the session's arguments for OPEN). ARGV from a + 1: key
 # prefix, now, n, the n worker ids, stat key prefix, first second, window, then (series,
 # worker) pairs. Returns, per worker: seconds of prefill queued (a string: a float), prompt
-# tokens queued, and prompt tokens of the prefills holding its slots (lapsed leases not
-# counted); then, per pair, the windowed sum (a string) and count.
+# tokens queued, prompt tokens of the prefills holding its slots (lapsed leases not
+# counted), tasks queued, and rounds in flight on it (the round ledger's unexpired
+# entries, gateway.state.round_ledger); then, per pair, the windowed sum (a string) and count.
 _SIGNALS = (
     _WINDOW
     + """
@@ -146,6 +147,8 @@ local function signals(a)
       running = running + tonumber(redis.call('HGET', ARGV[a + 1] .. ':task:' .. id, 'tokens') or 0)
     end
     table.insert(out, running)
+    table.insert(out, redis.call('LLEN', ARGV[a + 1] .. ':pq:' .. w))
+    table.insert(out, redis.call('ZCOUNT', ARGV[a + 1] .. ':rounds:' .. w, ARGV[a + 2], '+inf'))
   end
   local prefix, first, width = ARGV[a + 4 + n], tonumber(ARGV[a + 5 + n]), tonumber(ARGV[a + 6 + n])
   for i = a + 7 + n, #ARGV, 2 do
