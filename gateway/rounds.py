@@ -86,21 +86,17 @@ class Holds:
     def __init__(self, queues: PrefillQueues, pool: WorkerPool, r: Round) -> None:
         self.queues, self.pool, self.r = queues, pool, r
         self.slot: str | None = None  # the worker whose prefill slot the round holds
-        self.prefilling: str | None = None  # the remote prefill's worker, in the ledger
-        self.decoding = r.decode.info.worker_id  # where the round's ledger entry is (it stays through a migration)
-
-    async def start(self) -> None:
-        if self.r.route == "remote":
-            self.prefilling = self.r.plan.route.worker_id
-        await self.queues.ledger.start(*ledger_entries(self.r.plan, self.decoding))
+        # The round's ledger entry, then its remote prefill's (they stay through a migration).
+        self.entries = ledger_entries(r.plan, r.decode.info.worker_id)
+        self.prefilling = len(self.entries) > 1
 
     def prefill_over(self) -> None:
         if self.slot is not None:
             self.queues.release(self.slot, self.r.plan.task.task_id)
             self.slot = None
-        if self.prefilling is not None:
-            self.queues.ledger_end(*ledger_entries(self.r.plan, self.decoding)[1])
-            self.prefilling = None
+        if self.prefilling:
+            self.queues.ledger_end(*self.entries[1])
+            self.prefilling = False
 
     def landed(self) -> None:
         if self.r.arriving:
@@ -108,13 +104,13 @@ class Holds:
             self.r.arriving = 0
 
     async def __aenter__(self) -> Holds:
-        await self.start()
+        await self.queues.ledger.start(*self.entries)
         return self
 
     async def __aexit__(self, *_: object) -> None:
         self.prefill_over()
         self.landed()
-        self.queues.ledger_end(self.decoding, self.r.plan.task.task_id)
+        self.queues.ledger_end(*self.entries[0])
 
 
 class RoundRunner:

@@ -71,11 +71,15 @@ class RoundLedger:
         return Counter(w for w, _ in self._unwritten)
 
     async def start(self, *entries: tuple[str, str]) -> None:
-        """Rounds (or remote prefills) are on these workers from now on: (worker, entry)."""
+        """Rounds (or remote prefills) are on these workers from now on: (worker, entry).
+        A round cancelled meanwhile (its client left) renews nothing: its entries lapse."""
         self.held.update(entries)
         expiry = time.time() + ENTRY_S
         try:
             await self._send(*(("ZADD", key(self.p, w), expiry, entry) for w, entry in entries))
+        except BaseException:
+            self.held.difference_update(entries)
+            raise
         finally:
             for entry in entries:
                 self._unwritten.pop(entry, None)
