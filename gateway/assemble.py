@@ -56,7 +56,7 @@ def assemble(config: GatewayConfig) -> Gateway:
     queues = PrefillQueues(
         redis, batch, config.key_prefix, config.replica_id, core, slots=config.prefill_slots,
         max_queue=config.max_queue, task_ttl_s=config.session_ttl_s, health=health, postponements=metrics.postponements,
-        failover=failover,
+        failover=failover, ledger=config.kv_index,
     )  # fmt: skip
     pool = WorkerPool(redis, config.key_prefix, config.static_workers, client, health)
     stats = WindowedStats(config.key_prefix, config.stats_window_s)

@@ -63,6 +63,7 @@ class PrefillQueues:
         health: RedisHealth,
         postponements: Counter,
         failover: Failover,
+        ledger: bool = True,
     ) -> None:
         self.redis, self.batch, self.p, self.core = redis, batch, prefix, core
         self.failover = failover
@@ -70,7 +71,7 @@ class PrefillQueues:
         self.slots, self.max_queue, self.task_ttl_s, self.health = slots, max_queue, task_ttl_s, health
         self.leases = Leases(redis, batch, prefix)
         self.replicas = Replicas(redis, prefix, replica_id, self.leases, self.release, health)
-        self.ledger = RoundLedger(redis, batch, prefix, health)
+        self.ledger = RoundLedger(redis, batch, prefix, health, enabled=ledger)
         self._workers: set[str] = set()
         self._active: set[str] = set()  # workers this replica is dispatching right now
         self._dirty: set[str] = set()  # ... and that got new work meanwhile
@@ -197,7 +198,8 @@ class PrefillQueues:
 
     def ledger_end(self, worker_id: str, entry: str) -> None:
         """The ledger's entry struck in the background (gateway.state.round_ledger)."""
-        self._in_background(self.ledger.end(worker_id, entry))
+        if self.ledger.enabled:
+            self._in_background(self.ledger.end(worker_id, entry))
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

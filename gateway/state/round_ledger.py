@@ -51,17 +51,22 @@ def foreign(scraped: Mapping[str, int], before: Mapping[str, int], after: Mappin
 
 class RoundLedger:
     """This replica's entries in the ledger: written, renewed and struck; and the rounds it
-    has placed whose entries are not written yet."""
+    has placed whose entries are not written yet. Only a placement by the engines' caches
+    reads load in requests (rounds.placement), so a gateway that places otherwise keeps
+    no ledger (``enabled`` false) and its rounds pay nothing for it."""
 
-    def __init__(self, redis: aioredis.Redis, batch: RedisBatch, prefix: str, health: RedisHealth) -> None:
-        self.redis, self.batch, self.p, self.health = redis, batch, prefix, health
+    def __init__(
+        self, redis: aioredis.Redis, batch: RedisBatch, prefix: str, health: RedisHealth, enabled: bool = True
+    ) -> None:
+        self.redis, self.batch, self.p, self.health, self.enabled = redis, batch, prefix, health, enabled
         self.held: set[tuple[str, str]] = set()  # (worker, entry) this replica holds, for renewal
         self._unwritten: dict[tuple[str, str], float] = {}  # (worker, entry) placed, not yet written -> since
 
     def placed(self, *entries: tuple[str, str]) -> None:
         """Rounds (or remote prefills) placed on these workers: they count from now on."""
-        now = time.monotonic()
-        self._unwritten.update((entry, now) for entry in entries)
+        if self.enabled:
+            now = time.monotonic()
+            self._unwritten.update((entry, now) for entry in entries)
 
     def unwritten(self) -> Counter[str]:
         """This replica's rounds per worker that a ledger read may not show yet."""
@@ -73,6 +78,8 @@ class RoundLedger:
     async def start(self, *entries: tuple[str, str]) -> None:
         """Rounds (or remote prefills) are on these workers from now on: (worker, entry).
         A round cancelled meanwhile (its client left) renews nothing: its entries lapse."""
+        if not self.enabled:
+            return
         self.held.update(entries)
         expiry = time.time() + ENTRY_S
         try:
