@@ -90,7 +90,6 @@ DEFAULT_ARMS = {"coloc": "ampd-memory,ampd-ampd,vllm-router,sglang-router,dynamo
                 "pd": "ampd-pd,ampd-disagg,vllm-router-pd"}  # fmt: skip
 # The prefill tokens of every arm are set against this one's.
 BASELINES: dict[str, str] = {"coloc": "ampd-memory", "pd": "ampd-disagg"}
-BASELINE = BASELINES["coloc"]
 VENV = {"vllm-router": "vllm-router", "vllm-router-pd": "vllm-router", "sglang-router": "sglang-router",
         "smg": "smg", "dynamo": "ai-dynamo"}  # fmt: skip
 PROMPT_TOKENS = "vllm:prompt_tokens_total"

@@ -38,7 +38,7 @@ from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.rounds import Round, RoundRunner
 from gateway.state.failover import Failover
-from gateway.state.outage import REDIS_DOWN, RedisHealth
+from gateway.state.outage import RedisHealth
 from gateway.state.prefill_queue import PrefillQueues
 from gateway.state.redis_batch import RedisBatch
 from gateway.state.round_ledger import foreign as foreign_requests
@@ -115,12 +115,11 @@ class Gateway:
                 log.exception("pool refresh failed")
 
     async def _refresh(self) -> None:
-        if not self.config.kv_index:  # only a placement by the engines' caches reads load by requests
-            await self.pool.refresh()
-        else:
-            before = await self._ledger_counts(list(self.pool.workers))
-            await self.pool.refresh()
-            after = await self._ledger_counts(list(self.pool.workers))
+        ledger = self.queues.ledger
+        before = await ledger.counts(list(self.pool.workers))
+        await self.pool.refresh()
+        if ledger.enabled:  # only a placement by the engines' caches reads load in requests
+            after = await ledger.counts(list(self.pool.workers))
             scraped = {w: live.load.running + live.load.waiting for w, live in self.pool.workers.items()}
             self.foreign = foreign_requests(scraped, before, after)
         self.queues.watch(self.pool.workers)
@@ -262,14 +261,6 @@ class Gateway:
         r = self.rounds.plan(ex, bound, l_total, created, signals)
         r.indexed = dict(signals.cached_tokens) or None
         return r
-
-    async def _ledger_counts(self, worker_ids: list[str]) -> dict[str, int]:
-        """The round ledger's counts; none while Redis is away (nothing then counts as foreign)."""
-        try:
-            return await self.queues.ledger.counts(worker_ids)
-        except REDIS_DOWN as exc:
-            self.health.failed("round ledger", exc)
-            return {}
 
     def _placement_signals(self, model: str, counted: Counted, cache_salt: str | None, signals: Signals) -> Signals:
         """Under a placement by the engines' caches (rounds.placement), the signals the core

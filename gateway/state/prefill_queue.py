@@ -139,14 +139,13 @@ class PrefillQueues:
         wait in, no statistics, so the profiles' estimates alone (gateway.state.outage)."""
         if flat is None:
             return Signals(dict.fromkeys(ids, 0.0), {}, dict.fromkeys(ids, 0))
-        loads = [flat[i : i + LOAD_FIELDS] for i in range(0, LOAD_FIELDS * len(ids), LOAD_FIELDS)]
-        return Signals(
-            {w: max(0.0, float(cost)) for w, (cost, *_) in zip(ids, loads, strict=True)},
-            stats.parse_means(wanted, flat[LOAD_FIELDS * len(ids) :]),
-            {w: int(queued) + int(held) for w, (_, queued, held, *_) in zip(ids, loads, strict=True)},
-            waiting={w: int(load[3]) for w, load in zip(ids, loads, strict=True)},
-            running={w: int(load[4]) for w, load in zip(ids, loads, strict=True)},
-        )
+        costs, tokens, waiting, running = {}, {}, {}, {}
+        for i, w in enumerate(ids):
+            cost, queued, held, tasks, rounds = flat[LOAD_FIELDS * i : LOAD_FIELDS * (i + 1)]
+            costs[w], tokens[w] = max(0.0, float(cost)), int(queued) + int(held)
+            waiting[w], running[w] = int(tasks), int(rounds)
+        means = stats.parse_means(wanted, flat[LOAD_FIELDS * len(ids) :])
+        return Signals(costs, means, tokens, waiting=waiting, running=running)
 
     async def submit(
         self, worker_id: str, task: PrefillTask, estimate_s: float, ttft_thres_s: float, tokens: int = 0

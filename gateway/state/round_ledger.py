@@ -98,14 +98,19 @@ class RoundLedger:
             await self._send(("ZREM", key(self.p, worker_id), entry))
 
     async def counts(self, worker_ids: list[str]) -> dict[str, int]:
-        """The rounds in flight on each worker, all replicas' (for :func:`foreign`)."""
-        if not worker_ids:
+        """The rounds in flight on each worker, all replicas' (for :func:`foreign`); none
+        where no ledger is kept or Redis is away (nothing then counts as foreign)."""
+        if not self.enabled or not worker_ids:
             return {}
         now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for w in worker_ids:
-                pipe.zcount(key(self.p, w), now, "+inf")
-            return dict(zip(worker_ids, map(int, await pipe.execute()), strict=True))
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for w in worker_ids:
+                    pipe.zcount(key(self.p, w), now, "+inf")
+                return dict(zip(worker_ids, map(int, await pipe.execute()), strict=True))
+        except REDIS_DOWN as exc:
+            self.health.failed("round ledger", exc)
+            return {}
 
     async def renew_forever(self) -> None:
         while True:
