@@ -14,6 +14,11 @@ own entries every third of ``ENTRY_S``; a replica that crashed renews nothing, a
 entries stop counting when they lapse (SIGNALS counts unexpired ones only,
 gateway.state.scripts). The engines may also serve requests that came by another way;
 :func:`foreign` is what a scrape shows beyond the ledger.
+
+One race is left: a round whose ledger read is already on its way to Redis when another
+round of this replica writes its entry, and whose read comes back after that write is
+acknowledged, misses that round - rounds arriving in the same millisecond may see one
+another one short. Closing it needs each read to know which writes Redis took before it.
 """
 
 from __future__ import annotations
