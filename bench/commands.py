@@ -4,6 +4,7 @@ module of bench, imported when the command runs (so ``ampd --help`` stays quick)
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -193,6 +194,9 @@ def bench_fidelity(
         Path | None, typer.Option(help="the engines' measured profile (else `ampd profile --worker` measures it first)")
     ] = None,
     python: Annotated[str, typer.Option(envvar="AMPD_VLLM_PYTHON", help="the interpreter vLLM is installed in")] = "",
+    vllm_options: Annotated[
+        str, typer.Option(help="more options for vLLM, appended, one string (-O0: starts without torch.compile)")
+    ] = "",
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/11",
     work_dir: Annotated[Path, typer.Option(help="the model folder, profile, logs and runs' traces")] = Path(
         ".ampd/fidelity"
@@ -220,7 +224,8 @@ def bench_fidelity(
         raise fail(f"a workload of {', '.join(WORKLOADS)}, at least one session and run, and positive rates")
     setup = FidelitySetup(sessions=sessions, light_rate=light_rate, loaded_rate=loaded_rate, runs=runs,
                           workload=workload, seed=seed, policies=chosen, loads=levels, profile=profile,
-                          out_dir=work_dir, redis_url=redis_url, vllm_python=python)  # fmt: skip
+                          out_dir=work_dir, redis_url=redis_url, vllm_python=python,
+                          vllm_options=tuple(shlex.split(vllm_options)))  # fmt: skip
     raise typer.Exit(run_fidelity(console, setup, out))
 
 
@@ -247,7 +252,13 @@ def bench_stepsize(
     profile: Annotated[Path, typer.Option(help="the engine's measured profile")] = Path(
         "bench/results/fidelity_vllm/tiny-llama-cpu_measured.json"
     ),
+    profile_skew: Annotated[
+        float, typer.Option(help="ampd's scheduler starts from the profile's step costs times this (not its target)")
+    ] = 1.0,
     python: Annotated[str, typer.Option(envvar="AMPD_VLLM_PYTHON", help="the interpreter vLLM is installed in")] = "",
+    vllm_options: Annotated[
+        str, typer.Option(help="more options for vLLM, appended, one string (-O0: starts without torch.compile)")
+    ] = "",
     redis_url: Annotated[str, typer.Option(envvar="REDIS_URL")] = "redis://127.0.0.1:6379/11",
     work_dir: Annotated[Path, typer.Option(help="the model folder, logs and step logs")] = Path(".ampd/stepsize"),
     out: Annotated[Path | None, typer.Option(help="write the arms as JSON here")] = None,
@@ -258,8 +269,12 @@ def bench_stepsize(
 
     if engine != "vllm":
         raise fail("step sizing is measured on vLLM (--engine vllm); the GPU-free engine's is `ampd bench split`")
-    if min(streams, long_prompts, long_tokens) < 1 or interval <= 0 or (target_ms is not None and target_ms <= 0):
-        raise fail("at least one stream, long prompt and token; a positive interval and target")
+    if (
+        min(streams, long_prompts, long_tokens) < 1
+        or min(interval, profile_skew) <= 0
+        or (target_ms is not None and target_ms <= 0)
+    ):
+        raise fail("at least one stream, long prompt and token; a positive interval, target and profile skew")
     try:
         budgets = STATICS if statics is None else parse_statics(statics)
     except ValueError as exc:
@@ -269,7 +284,8 @@ def bench_stepsize(
         raise fail(f"bad --baselines {baselines!r}: some of {', '.join(BASELINES)}, or none")
     setup = StepsizeSetup(streams=streams, long_prompts=long_prompts, long_tokens=long_tokens, interval_s=interval,
                           target_ms=target_ms, statics=budgets, profile=profile, out_dir=work_dir,
-                          redis_url=redis_url, vllm_python=python, baselines=chosen)  # fmt: skip
+                          redis_url=redis_url, vllm_python=python, baselines=chosen,
+                          profile_skew=profile_skew, vllm_options=tuple(shlex.split(vllm_options)))  # fmt: skip
     raise typer.Exit(run_stepsize(console, setup, out))
 
 

@@ -106,6 +106,7 @@ class FidelitySetup:
     out_dir: Path = STATE_DIR / "fidelity"
     redis_url: str = "redis://127.0.0.1:6379/11"
     vllm_python: str = ""  # the interpreter vLLM is installed in (`ampd worker vllm --python`)
+    vllm_options: tuple[str, ...] = ()  # appended to VLLM_ARGS (``-O0``: a start without torch.compile)
 
     def rate(self, load: str) -> float:
         return self.light_rate if load == "light" else self.loaded_rate
@@ -175,9 +176,10 @@ def engines(
     cores: Sequence[int] = (0, 1),
     options: Sequence[str] = (),
     vllm_args: Sequence[str] = VLLM_ARGS,
+    vllm_options: Sequence[str] = (),
 ) -> Iterator[Engines]:
     """`ampd worker vllm` engines registered as ``both`` with ``profile``, one pinned to each of
-    ``cores``; ``options`` go to `ampd worker vllm`, ``vllm_args`` to vLLM."""
+    ``cores``; ``options`` go to `ampd worker vllm`, ``vllm_args`` and then ``vllm_options`` to vLLM."""
     children, urls = [], []
     try:
         for core in cores:
@@ -187,7 +189,7 @@ def engines(
                 "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--port", str(port),
                 "--side-channel-port", str(free_port()), "--kv-buffer-device", "cpu", "--profile", profile,
                 "--redis-url", redis_url, "--redis-prefix", PREFIX, "--ready-timeout", "900", *options,
-                *(["--python", vllm_python] if vllm_python else []), "--", *vllm_args,
+                *(["--python", vllm_python] if vllm_python else []), "--", *vllm_args, *vllm_options,
             ]  # fmt: skip
             env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core), "OMP_NUM_THREADS": "1"}
             children.append(spawn(f"vllm-{core}", port, command, log=log_dir / f"vllm-{core}.log", cpu=core, env=env))
@@ -421,7 +423,8 @@ def measure_profile(console: Console, setup: FidelitySetup, model: Path, redis_u
     """``ampd profile --worker`` on the engines: engine 1 timed, and its KV hand-off from engine 0."""
     path = setup.out_dir / "tiny-llama-cpu_measured.json"
     with console.status("starting two vLLM engines to profile them"), \
-            engines(setup.vllm_python, model, "llama-3.1-8b_h100_tp1", redis_url, setup.out_dir) as e:  # fmt: skip
+            engines(setup.vllm_python, model, "llama-3.1-8b_h100_tp1", redis_url, setup.out_dir,
+                    vllm_options=setup.vllm_options) as e:  # fmt: skip
         console.print(f"profiling {e.urls[1]} (its KV hand-off from {e.urls[0]})")
         set_roles(redis_url, "disagg", e.worker_ids)
         asyncio.run(profile_worker(e.urls[1], prefill_url=e.urls[0], model=model_spec(model), gpu=HOST_CPU,
@@ -452,7 +455,8 @@ def compare(
     traces.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     with console.status("starting two vLLM engines"), \
-            engines(setup.vllm_python, model, str(profile_path), redis_url, setup.out_dir) as e:  # fmt: skip
+            engines(setup.vllm_python, model, str(profile_path), redis_url, setup.out_dir,
+                    vllm_options=setup.vllm_options) as e:  # fmt: skip
         for policy in setup.policies:
             set_roles(redis_url, policy, e.worker_ids)
             with gateway(policy, slo, redis_url, setup.out_dir) as url:

@@ -13,7 +13,11 @@ stream's next token waits for it. Three arms, each on a fresh engine:
   (rounds.policies.step_target) for the SLO derived from the engine's profile.
 
 Per arm: the streams' token gaps while long prompts are in the engine (P95, max), the
-streams' decode tokens per second over that window, and the long prompts' TTFT.
+streams' decode tokens per second over that window, and the long prompts' TTFT. For
+ampd's: the steps its price correction took to settle (perfmodel.step_correction) and
+the median time of the steps whose prefill its budget cut short - the budget used, not
+wasted. ``--profile-skew F`` hands ampd's scheduler the profile with its step costs
+times F (its target still the unskewed profile's), to show the correction converge.
 Replies are sampled among letters (``allowed_token_ids``), so every token is a chunk.
 """
 
@@ -27,7 +31,7 @@ import random
 import statistics
 import string
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +48,7 @@ from rounds.policies import step_target_ms
 
 PROFILE = Path("bench/results/fidelity_vllm/tiny-llama-cpu_measured.json")
 ENGINE_CORE = 1  # the load generator keeps to the other
+CONVERGED = 0.1  # a correction within this of its final value has settled
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,8 @@ class StepsizeSetup:
     vllm_python: str = ""
     seed: int = 0
     baselines: tuple[str, ...] = BASELINES  # vLLM's own arms run beside ampd's
+    profile_skew: float = 1.0  # ampd's scheduler starts from the profile's step costs times this
+    vllm_options: tuple[str, ...] = ()  # appended to each arm's vLLM arguments (``-O0``: no torch.compile)
 
 
 @dataclass
@@ -131,6 +138,8 @@ class ArmResult:
     long_prompt_ttft_ms: float
     target_ms: float | None
     gaps: int
+    steps_to_converge: int | None = None  # ampd's arm: steps until its correction settled
+    busy_step_ms_p50: float | None = None  # ampd's arm: steps its budget bound, their median time
     steps: list[dict] = field(default_factory=list)  # ampd's arm: the engine's step log
 
 
@@ -143,6 +152,11 @@ def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> in
     setup.out_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(setup.out_dir / "model")
     target_ms = setup.target_ms if setup.target_ms is not None else default_target_ms(setup.profile)
+    priced = setup.profile  # what ampd's scheduler prices steps with: the profile, skewed if asked
+    if setup.profile_skew != 1.0:
+        priced = setup.out_dir / "profile_skewed.json"
+        skewed = load_profile(setup.profile).with_step_costs_scaled(setup.profile_skew)
+        priced.write_text(skewed.model_dump_json(indent=2) + "\n")
     arms = [*([("default", StaticBudget(), None)] if "default" in setup.baselines else []),
             *(("static", s, None) for s in (setup.statics if "static" in setup.baselines else ())),
             ("ampd", StaticBudget(), target_ms)]  # fmt: skip
@@ -153,10 +167,14 @@ def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> in
             for arm, budget, target in arms:
                 label = budget.label if target is None else f"ampd's scheduler, target {target:.1f} ms"
                 with console.status(f"{arm}: {label}"):
-                    result = _arm(setup, model, redis_url, arm, budget, target)
+                    result = _arm(setup, model, priced, redis_url, arm, budget, target)
                 console.print(f"{arm} ({label}): gap p95 {result.p95_gap_ms:.0f} ms, max {result.max_gap_ms:.0f} ms, "
                               f"{result.decode_tokens_per_s:.1f} decode tokens/s, long-prompt TTFT "
                               f"{result.long_prompt_ttft_ms:.0f} ms")  # fmt: skip
+                if result.steps_to_converge is not None:
+                    settled, busy = result.steps[-1]["factor"], result.busy_step_ms_p50 or 0
+                    console.print(f"  its prices settled after {result.steps_to_converge} steps at x{settled:.2f}; "
+                                  f"the steps its budget cut short took {busy:.0f} ms at the median")  # fmt: skip
                 if arm == "static":
                     statics.append(result)
                 else:
@@ -179,7 +197,13 @@ def run_stepsize(console: Console, setup: StepsizeSetup, out: Path | None) -> in
 
 
 def _arm(
-    setup: StepsizeSetup, model: Path, redis_url: str, arm: str, budget: StaticBudget, target: float | None
+    setup: StepsizeSetup,
+    model: Path,
+    profile: Path,
+    redis_url: str,
+    arm: str,
+    budget: StaticBudget,
+    target: float | None,
 ) -> ArmResult:
     log_dir = setup.out_dir / arm
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -189,13 +213,27 @@ def _arm(
         options = ["--no-step-sizing"]
     else:
         options = ["--step-target-ms", f"{target:g}", "--step-log", str(steps.resolve())]
-    with engines(setup.vllm_python, model, str(setup.profile), redis_url, log_dir, cores=(ENGINE_CORE,),
-                 options=options, vllm_args=budget.vllm_args()) as e, _pinned({1 - ENGINE_CORE}):  # fmt: skip
+    arm_engines = engines(setup.vllm_python, model, str(profile), redis_url, log_dir, cores=(ENGINE_CORE,),
+                          options=options, vllm_args=budget.vllm_args(), vllm_options=setup.vllm_options)  # fmt: skip
+    with arm_engines as e, _pinned({1 - ENGINE_CORE}):
         gaps, tokens, window, ttfts = asyncio.run(_workload(e.urls[0], setup, letter_ids(model)))
     label = budget.label if target is None else "ampd's scheduler"
     logged = [json.loads(line) for line in steps.read_text().splitlines()] if steps.exists() else []
+    busy = [s["measured_s"] for s in logged if s["prefill_tokens"] and s["scheduled"] >= s["budget"]]
     return ArmResult(arm, label, 1e3 * float(np.percentile(gaps, 95)), 1e3 * max(gaps), tokens / window,
-                     1e3 * statistics.mean(ttfts), target, len(gaps), logged)  # fmt: skip
+                     1e3 * statistics.mean(ttfts), target, len(gaps),
+                     steps_to_converge(s["factor"] for s in logged) if logged else None,
+                     1e3 * statistics.median(busy) if busy else None, logged)  # fmt: skip
+
+
+def steps_to_converge(factors: Iterable[float], tolerance: float = CONVERGED) -> int:
+    """How many steps the correction took to settle: the first step from which every
+    step's factor stays within ``tolerance`` of the last one's."""
+    seen = list(factors)
+    final, settled = seen[-1], len(seen) - 1
+    while settled > 0 and abs(seen[settled - 1] / final - 1) <= tolerance:
+        settled -= 1
+    return settled
 
 
 @contextlib.contextmanager

@@ -61,6 +61,11 @@ class PiecewiseLinear(BaseModel):
 
     __hash__ = None  # type: ignore[assignment]  # mutable-looking lists inside: not hashable
 
+    def scaled(self, factor: float) -> PiecewiseLinear:
+        """Every piece's cost times ``factor`` (its fit's relative error unchanged)."""
+        pieces = [p.model_copy(update={"alpha": p.alpha * factor, "beta": p.beta * factor}) for p in self.pieces]
+        return self.model_copy(update={"pieces": pieces})
+
     def __call__(self, x: float) -> float:
         if x <= 0:
             return 0.0

@@ -95,6 +95,16 @@ class Profile(BaseModel):
     def theta(self) -> tuple[str, int]:
         return (self.gpu.name, self.tp)
 
+    def with_step_costs_scaled(self, factor: float) -> Profile:
+        """This profile with every step's time times ``factor`` (forward, attention, KV
+        reads; KV transfers as they were): a profile mispriced on purpose, to show a step
+        sizer correcting it (perfmodel.step_correction)."""
+        p = self.pieces
+        pieces = p.model_copy(update={"forward": p.forward.scaled(factor),
+                                      "prefill_attention": p.prefill_attention.scaled(factor),
+                                      "context_read": p.context_read.scaled(factor)})  # fmt: skip
+        return self.model_copy(update={"pieces": pieces, "notes": f"{self.notes} step costs x{factor:g}".strip()})
+
     def step_time(self, prefills: Iterable[tuple[int, int]] = (), decode_contexts: Sequence[int] = ()) -> float:
         """Seconds for one engine step.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_vllm import ROOT, VLLM_PYTHON, VLLM_TIMEOUT
+from tests.test_vllm import QUICK_START, ROOT, VLLM_PYTHON, VLLM_TIMEOUT
 
 pytestmark = VLLM_TIMEOUT
 PROFILE = ROOT / "bench" / "results" / "fidelity_vllm" / "tiny-llama-cpu_measured.json"
@@ -26,7 +26,8 @@ def test_a_small_fidelity_run_puts_live_vllm_rounds_beside_simulated_ones(tmp_pa
     out = tmp_path / "fidelity.json"
     command = [sys.executable, "-m", "ampd.cli", "bench", "fidelity", "--engine", "vllm", "--sessions", "2",
                "--runs", "1", "--policies", "coloc,dynaserve", "--loads", "light", "--light-rate", "1",
-               "--profile", str(PROFILE), "--work-dir", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+               "--profile", str(PROFILE), "--work-dir", str(tmp_path / "work"), "--out", str(out),
+               "--vllm-options", " ".join(QUICK_START)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=840,
                           env={**os.environ, "AMPD_VLLM_PYTHON": VLLM_PYTHON})  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

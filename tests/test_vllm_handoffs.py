@@ -56,10 +56,10 @@ import pytest
 from surface.wire import prefill_params
 from tests import test_engine_protocol as protocol
 from tests.engines import Engine
-from tests.test_vllm import VLLM_TIMEOUT, registered, weighted_pair
+from tests.test_vllm import QUICK_START, VLLM_TIMEOUT, registered, weighted_pair
 
 pytestmark = VLLM_TIMEOUT
-VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048")
+VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", *QUICK_START)
 PULLED, FAILED = "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_failed_transfers_total"
 SAY = 12  # tokens each answer says
 PULLS = "vllm:nixl_xfer_time_seconds_count"

@@ -11,6 +11,11 @@ sizes its steps with - priced by the engine's ampd profile; vLLM's own loop then
 the budget out as ever (running requests first, then admissions). With nothing decoding,
 a prefill has the whole budget.
 
+The profile was measured elsewhere, so the scheduler corrects its prices as it runs
+(perfmodel.step_correction): each step's time, from the end of ``schedule()`` to vLLM's
+``update_from_output()`` for it, against what the profile predicted, and the step's
+target is met in corrected seconds.
+
 It is loaded by vLLM's engine core, in vLLM's environment, through ``--scheduler-cls
 workers.vllm.step_sizing.step_sized_scheduler`` (``ampd worker vllm --step-target-ms``,
 which also puts ampd's packages on its path): :class:`StepSizedScheduler` where vLLM
@@ -22,11 +27,13 @@ It reads, from the environment:
 - ``AMPD_STEP_TARGET_FILE``: a file holding the target in milliseconds (0: off), read
   again whenever it changes, so a new target needs no restart;
 - ``AMPD_STEP_LOG``: optionally, a file to which each step that carried decodes appends a
-  JSON line (its decodes, budget, scheduled tokens and predicted seconds).
+  JSON line (its decodes, budget, scheduled tokens, predicted and measured seconds, and
+  the correction its budget was sized with).
 
 vLLM's scheduler interface is not public. What this relies on - ``schedule()`` starting
-from ``self.max_num_scheduled_tokens`` as its token budget, the running list and the
-waiting queue, a request's computed and prompt tokens - is checked by :func:`check`
+from ``self.max_num_scheduled_tokens`` as its token budget, ``update_from_output()`` called
+with each step's scheduler output, the running list and the waiting queue, a request's
+computed and prompt tokens - is checked by :func:`check`
 (``python -m workers.vllm.step_sizing``), and the supported vLLM range is
 :data:`SUPPORTED_VLLM`.
 """
@@ -47,6 +54,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from perfmodel.profile import Profile, load_profile
+from perfmodel.step_correction import StepCorrection, shape_of
 from rounds.engine.step_budget import step_token_budget
 
 SUPPORTED_VLLM = (">=0.32", "<0.33")
@@ -87,22 +95,40 @@ class StepSizer:
         self._profile: Profile = load_profile(os.environ[PROFILE_ENV])
         self._target = StepTarget(Path(os.environ[TARGET_ENV]))
         self._log = open(os.environ[LOG_ENV], "a", buffering=1) if os.environ.get(LOG_ENV) else None  # noqa: SIM115
+        self.correction = StepCorrection()
+        self._in_flight: dict[int, tuple[float, dict]] = {}  # by id() of the scheduler output
+        self._last_update = 0.0  # when vLLM last folded a step's output back
 
     def schedule(self, *args, **kwargs):
         target = self._target.current()
-        if target <= 0 and self._log is None:  # off: vLLM's own budget, nothing to price
-            return super().schedule(*args, **kwargs)
         full = self.max_num_scheduled_tokens
         decoding = [r.num_computed_tokens for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        budget = step_token_budget(self._profile, target, decoding, self._prefill_context(), full)
+        history = self._prefill_context()
+        factor = self.correction.factor(shape_of(1, history))  # the budget sizes the step's prefill
+        budget = step_token_budget(self._profile, target / factor, decoding, history, full)
         self.max_num_scheduled_tokens = budget
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self.max_num_scheduled_tokens = full
-        if self._log is not None and decoding:
-            self._record(output, len(decoding), budget, full, target)
+        if output.total_num_scheduled_tokens:
+            step = self._step(output, len(decoding), budget, full, target, factor) | {"history": history}
+            self._in_flight[id(output)] = (time.monotonic(), step)
         return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """The step's measured time: from its scheduling, or from the step before it where
+        vLLM schedules ahead (asynchronously), to its output."""
+        now = time.monotonic()
+        started, step = self._in_flight.pop(id(scheduler_output), (None, None))
+        if step is not None:
+            step["measured_s"] = now - max(started, self._last_update)
+            shape = shape_of(step["prefill_tokens"], step["history"])
+            self.correction.observe(shape, step["predicted_s"], step["measured_s"])
+            if self._log is not None and step["decodes"]:
+                self._log.write(json.dumps(step) + "\n")
+        self._last_update = now
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _prefill_context(self) -> int:
         """The history of the prefill this step would carry: the first running request mid-prefill's,
@@ -112,17 +138,17 @@ class StepSizer:
                 return r.num_computed_tokens
         return self.waiting.peek_request().num_computed_tokens if self.waiting else 0
 
-    def _record(self, output, decodes: int, budget: int, full: int, target: float) -> None:
-        """The step as scheduled: vLLM has advanced each request's computed tokens by its share."""
+    def _step(self, output, decodes: int, budget: int, full: int, target: float, factor: float) -> dict:
+        """The step as scheduled (vLLM has advanced each request's computed tokens by its
+        share) and the profile's uncorrected price of it."""
         before = {rid: (self.requests[rid], self.requests[rid].num_computed_tokens - n)
                   for rid, n in output.num_scheduled_tokens.items()}  # fmt: skip
         prefills = [(hist, output.num_scheduled_tokens[rid]) for rid, (r, hist) in before.items()
                     if hist < r.num_prompt_tokens]  # fmt: skip
         contexts = [hist for r, hist in before.values() if hist >= r.num_prompt_tokens]
-        line = {"t": time.time(), "decodes": decodes, "budget": budget, "full": full, "target_s": target,
+        return {"t": time.time(), "decodes": decodes, "budget": budget, "full": full, "target_s": target,
                 "scheduled": output.total_num_scheduled_tokens, "prefill_tokens": sum(n for _, n in prefills),
-                "predicted_s": self._profile.step_time(prefills, contexts)}  # fmt: skip
-        self._log.write(json.dumps(line) + "\n")
+                "predicted_s": self._profile.step_time(prefills, contexts), "factor": factor}  # fmt: skip
 
 
 class StepSizedScheduler(StepSizer, Scheduler):
@@ -156,6 +182,11 @@ def check() -> list[str]:
         missing.append("EngineCore no longer builds its scheduler from scheduler_config.get_scheduler_cls()")
     if SEAM not in inspect.getsource(Scheduler.schedule):
         missing.append(f"Scheduler.schedule no longer starts from `{SEAM}`: the step's budget cannot be set")
+    if list(inspect.signature(Scheduler.update_from_output).parameters)[1:] != [
+        "scheduler_output",
+        "model_runner_output",
+    ]:
+        missing.append("Scheduler.update_from_output no longer takes (scheduler_output, model_runner_output)")
     init = inspect.getsource(Scheduler.__init__)
     missing += [f"Scheduler.__init__ no longer sets self.{name}" for name in ("max_num_scheduled_tokens", "running",
                 "waiting", "requests") if not re.search(rf"self\.{name}\b[^=\n]*=", init)]  # fmt: skip
