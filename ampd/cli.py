@@ -174,7 +174,7 @@ def worker_vllm(
     kv_events_replay_port: Annotated[int, typer.Option(help="KV events' replay port; 0: a free one")] = 0,
     engine_niceness: Annotated[
         int,
-        typer.Option(help="run vLLM this much lower in CPU priority than this supervisor (0-19), on a shared host"),
+        typer.Option(help="once vLLM serves, run it this much lower in CPU priority than this supervisor (0-19)"),
     ] = 0,
 ) -> None:
     """vLLM's OpenAI server with the NIXL connector, registered while it serves and

@@ -61,7 +61,7 @@ async def supervise(
     # a supervisor SIGKILLed in a test's teardown left its vLLM engine busy-polling a core.
     engine = await asyncio.create_subprocess_exec(
         *server_argv(launch), env=server_env(launch, dict(os.environ)), start_new_session=True,
-        preexec_fn=functools.partial(_engine_started, os.getpid(), launch.niceness),
+        preexec_fn=functools.partial(end_with_parent, signal.SIGTERM, os.getpid()),
     )  # fmt: skip
     redis = heartbeat_client(redis_url)
     try:
@@ -69,6 +69,8 @@ async def supervise(
             info = await _wait_ready(engine, http, launch, profile, stop, ready_timeout_s)
             if info is None:
                 return 0 if stop.is_set() else 1
+            if launch.niceness:
+                nice_session(engine.pid, launch.niceness)
             await tokenizer_files.publish(redis, prefix, launch)  # before any gateway sees the engine
             registration = Registration(redis, prefix, info)
             tasks = [asyncio.create_task(registration.run())]
@@ -97,16 +99,32 @@ async def supervise(
             shutil.rmtree(launch.step_sizing.folder, ignore_errors=True)
 
 
-def _engine_started(supervisor: int, niceness: int) -> None:
-    """In the engine's process, before vLLM: it ends with the supervisor, niced as asked.
-    Its session is its own, and where Linux groups a session's processes for the scheduler
-    (autogroup) a process's niceness weighs only inside its group: the group is niced too,
-    or a busy-polling engine takes a full share beside everything else on the host."""
-    end_with_parent(signal.SIGTERM, supervisor)
-    if niceness:
-        os.nice(niceness)
-        with contextlib.suppress(OSError):  # no autogroups (another OS, or a kernel without them)
-            Path("/proc/self/autogroup").write_text(str(niceness))
+def nice_session(session: int, niceness: int) -> None:
+    """Every thread of every process in the engine's session niced, once it serves: its
+    start is CPU-bound imports and compilation that spin nothing, and niced from the start
+    it waited behind every busy process on the host. Serving, its NIXL threads busy-poll a
+    core each, and niced they leave the host's other processes their turn. Niceness is per
+    thread on Linux, so each thread is reniced (those started later inherit it). Where
+    Linux groups a session's processes for the scheduler (autogroup) a process's niceness
+    weighs only inside its group, so the group is niced too."""
+    for pid in _session_processes(session):
+        with contextlib.suppress(OSError):  # a process or thread that ended meanwhile
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+    with contextlib.suppress(OSError):  # no autogroups (another OS, or a kernel without them)
+        Path(f"/proc/{session}/autogroup").write_text(str(niceness))
+
+
+def _session_processes(session: int) -> list[int]:
+    """The processes whose session is ``session`` (the sixth field of /proc/PID/stat)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session:
+                    found.append(int(entry.name))
+    return found
 
 
 async def _wait_ready(
