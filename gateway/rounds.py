@@ -168,7 +168,8 @@ class RoundRunner:
     def _candidate(self, worker: LiveWorker) -> Candidate:
         info, mixed = worker.info, worker.assignment is not None and worker.assignment.colocates
         return Candidate(info.worker_id, info.profile, info.speed, prefill_chunk=info.prefill_chunk,
-                         colocates=mixed, splits=info.splits, node=info.node)  # fmt: skip
+                         colocates=mixed, splits=info.splits, node=info.node,
+                         prefill_factor=info.prefill_factor)  # fmt: skip
 
     # -- the round ----------------------------------------------------------------------
     async def run(self, ex: Exchange, r: Round, reply: Reply, view: ClientView | None) -> AsyncIterator[bytes]:

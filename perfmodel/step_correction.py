@@ -28,7 +28,11 @@ took - so it corrects the prices as it runs:
 * Steps predicted under MIN_PREDICTED_S are not taken: their ratio is the clock's noise.
 
 Pure: events in (``observe``), the factor out. ampd's scheduler inside vLLM
-(workers.vllm.step_sizing) calls it on every step.
+(workers.vllm.step_sizing) calls it on every step; its supervisor publishes the factor of
+all prefill steps in the registry (``WorkerInfo.prefill_factor``), and gateways price the
+engine's prefills with it (rounds.routing.WorkerView): AMPD's Eq. 1-2 and the reordering's
+estimates ("Efficient Multi-round LLM Inference over Disaggregated Serving", section 3)
+then use the costs the engine itself found.
 """
 
 from __future__ import annotations

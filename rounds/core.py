@@ -58,6 +58,7 @@ class Candidate:
     colocates: bool = False  # its sessions' rounds all prefill on it (a mixed engine: rounds.roles)
     splits: bool = True  # it runs split requests (rounds.split_point)
     node: str = ""  # the server it sits on: KV moves over the server's interconnect within one ("": unknown)
+    prefill_factor: float = 1.0  # its scheduler's correction of the profile's prefill prices (routing.WorkerView)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class Signals:
         return WorkerView(
             worker.worker_id, worker.profile, worker.speed, queue_cost=self.queue_cost(worker.worker_id),
             active_tokens=max(0, self.active_tokens.get(worker.worker_id, 0)), token_budget=worker.token_budget,
-            prefill_chunk=worker.prefill_chunk, splits=worker.splits, node=worker.node, **kw,
+            prefill_chunk=worker.prefill_chunk, splits=worker.splits, node=worker.node,
+            prefill_factor=worker.prefill_factor, **kw,
         )  # fmt: skip
 
 

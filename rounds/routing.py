@@ -65,18 +65,22 @@ class WorkerView:
     prefill_chunk: int = 0  # tokens of one request it prefills a step at most (0: all at once)
     splits: bool = True  # it runs split requests (rounds.split_point): the GPU-free engine, vLLM under ampd's connector
     node: str = ""  # the server it sits on ("": unknown)
+    # What its own scheduler found its prefill steps take against the profile's price
+    # (perfmodel.step_correction, measured / predicted): an engine's profile is priced as
+    # the engine itself prices it.
+    prefill_factor: float = 1.0
 
     def same_node(self, other: WorkerView) -> bool:
         """Whether KV between the two moves within one server (over its GPU interconnect)."""
         return self.node != "" and self.node == other.node
 
     def t_pre(self, l_hist: int, l_incr: int) -> float:
-        return self.profile.t_pre_chunked(l_hist, l_incr, self.prefill_chunk) / self.speed
+        return self.profile.t_pre_chunked(l_hist, l_incr, self.prefill_chunk) * self.prefill_factor / self.speed
 
     def longest_step(self, l_hist: int, l_incr: int) -> float:
         """The longest step a prefill of ``l_incr`` tokens takes here: the stall it adds to
         every stream decoding on this worker meanwhile."""
-        return self.profile.t_pre(l_hist, min(l_incr, self.prefill_chunk or l_incr)) / self.speed
+        return self.profile.t_pre(l_hist, min(l_incr, self.prefill_chunk or l_incr)) * self.prefill_factor / self.speed
 
 
 @dataclass(frozen=True)
@@ -148,10 +152,10 @@ def remote_costs(ctx: RouteContext) -> list[float]:
     """Eq. 2 for each of ``ctx.prefills``, in order. Workers that differ only in their
     queues share one computation of the rest: a pool of identical replicas (a planned
     cluster's tens of them, every round) prices its prompt once."""
-    known: dict[tuple[int, float, int, int], float] = {}
+    known: dict[tuple[int, float, float, int, int], float] = {}
     costs = []
     for p in ctx.prefills:
-        key = (id(p.profile), p.speed, min(p.cached_tokens, ctx.task.l_total - 1), p.prefill_chunk)
+        key = (id(p.profile), p.speed, p.prefill_factor, min(p.cached_tokens, ctx.task.l_total - 1), p.prefill_chunk)
         if key not in known:
             known[key] = remote_work(ctx.task, p, ctx.decode)
         costs.append(known[key] + p.queue_cost)

@@ -66,6 +66,9 @@ class WorkerInfo:
     kv_events_replay: str = ""
     kv_hash_algo: str = ""
     kv_hash_seed: str = ""
+    # Its step-sizing scheduler's correction of the profile's prefill prices (measured /
+    # predicted, perfmodel.step_correction), which gateways price its prefills with.
+    prefill_factor: float = 1.0
 
     @property
     def decodes(self) -> bool:
@@ -99,6 +102,7 @@ class WorkerInfo:
             kv_events_replay=fields.get("kv_events_replay", ""),
             kv_hash_algo=fields.get("kv_hash_algo", ""),
             kv_hash_seed=fields.get("kv_hash_seed", ""),
+            prefill_factor=float(fields.get("prefill_factor", 1.0)),
         )
 
 

@@ -141,6 +141,21 @@ def test_costs_scale_with_worker_speed():
     assert local_cost(TASK, fast) == pytest.approx(local_cost(TASK, decode()) / 20)
 
 
+def test_a_prefill_is_priced_as_its_engines_scheduler_corrected_the_profile():
+    """An engine whose scheduler found its prefill steps take 1.8x the profile's price
+    (perfmodel.step_correction, published in the registry) is priced so by the gateway:
+    Eq. 1 and the compute of Eq. 2, not the KV transfer, and through the round core too."""
+    slow = WorkerView("p1", P_PROFILE, prefill_factor=1.8)
+    assert local_cost(TASK, decode(prefill_factor=1.8)) == pytest.approx(1.8 * local_cost(TASK, decode()))
+    transfer = t_kv(TASK.l_incr, P_PROFILE, D_PROFILE)  # d pulls the increment
+    plain = remote_cost(TASK, prefill("p1"), decode())
+    assert remote_cost(TASK, slow, decode()) == pytest.approx(transfer + 1.8 * (plain - transfer))
+    state = SessionState("d", l_hist=3000)
+    corrected = Candidate("d", D_PROFILE, prefill_factor=1.8)
+    local = RoundCore(POLICIES["coloc"]).plan(state, "t", 3400, 5.0, corrected, [], Signals({}, {}), SLO_)
+    assert local.estimate_s == pytest.approx(1.8 * D_PROFILE.t_pre(3000, 400))
+
+
 # -- Alg. 2 -------------------------------------------------------------------------
 
 

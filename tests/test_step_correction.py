@@ -11,6 +11,7 @@ import pytest
 from perfmodel.profile import load_profile
 from perfmodel.step_correction import DECODE, MAX_FACTOR, MIN_PREDICTED_S, PREFILL, StepCorrection, shape_of
 from rounds.engine.step_budget import step_token_budget
+from surface.registry import WorkerInfo
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +102,12 @@ def test_a_profile_skewed_on_purpose_prices_every_step_times_the_skew_and_moves_
     for prefills, decodes in (([(0, 512)], []), ([(1024, 64)], [300] * 8), ([], [2048] * 16)):
         assert skewed.step_time(prefills, decodes) == pytest.approx(0.5 * profile.step_time(prefills, decodes))
     assert skewed.pieces.kv_transfer == profile.pieces.kv_transfer
+
+
+def test_the_registry_carries_an_engines_correction_and_an_older_entry_reads_as_none():
+    profile = load_profile("llama-3.1-8b_h100_tp1")
+    info = WorkerInfo("w1", "both", "http://127.0.0.1:1", "m", profile, prefill_factor=1.7)
+    fields = info.to_redis()
+    assert WorkerInfo.from_redis(fields) == info
+    del fields["prefill_factor"]  # written by a worker from before the correction
+    assert WorkerInfo.from_redis(fields).prefill_factor == 1.0

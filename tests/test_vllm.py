@@ -41,6 +41,7 @@ from gateway.engines.kv_subscriber import KVSubscriber
 from gateway.engines.model_tokenizer import ModelTokenizer
 from gateway.metrics import Family
 from perfmodel.profile import DEFAULT_PROFILE, load_profile
+from perfmodel.step_correction import MAX_FACTOR
 from rounds.engine.step_budget import MIN_PREFILL_TOKENS, step_token_budget
 from surface.kv_events import BlockHasher
 from surface.registry import WorkerInfo, live_workers, tokenizer_key
@@ -303,17 +304,31 @@ test_stale_transfer_params_leave_the_decoder_healthy = protocol.test_stale_trans
 
 
 def test_the_engine_runs_niced_below_its_supervisor(vllm):
-    """`--engine-niceness 10`: vLLM (the supervisor's child) is niced, and so is the
-    scheduling group of its session; its supervisor, whose heartbeats keep the engine
-    registered, is not."""
+    """`--engine-niceness 10`: once it serves, vLLM (the supervisor's child) is niced, every
+    thread of every process it started (its engine core and workers, whose NIXL threads
+    busy-poll), and the scheduling group of its session; its supervisor, whose heartbeats
+    keep the engine registered, is not."""
     decode = vllm[1]
     supervisor = decode.child.process.pid
     children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) == supervisor]
-    assert children and os.getpriority(os.PRIO_PROCESS, supervisor) == 0
-    assert all(os.getpriority(os.PRIO_PROCESS, child) == 10 for child in children)
+    assert len(children) == 1 and os.getpriority(os.PRIO_PROCESS, supervisor) == 0
+    processes, level = set(children), set(children)
+    while level := {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(int(p.name)) in level}:
+        processes |= level
+    threads = [int(t) for pid in processes for t in os.listdir(f"/proc/{pid}/task")]
+    assert len(processes) >= 3 and len(threads) > len(processes)  # the server, its engine core and worker
+    assert {_niceness(tid) for tid in threads} - {None} == {10}
     autogroup = Path(f"/proc/{children[0]}/autogroup")
     if autogroup.exists():  # its own session's scheduling group, niced too (supervisor._engine_started)
         assert autogroup.read_text().split()[-1] == "10"
+
+
+def _niceness(tid: int) -> int | None:
+    """A thread's niceness; None if it ended since it was listed."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except ProcessLookupError:
+        return None
 
 
 def _parent(pid: int) -> int | None:
@@ -568,6 +583,12 @@ def test_steps_keep_to_the_target_while_streams_decode_and_answers_do_not_change
     # is an H100's, nothing like this CPU's.
     assert all(s["measured_s"] > 0 for s in untargeted + targeted)
     assert carried[-1]["factor"] != 1.0
+    # The supervisor publishes the correction in the registry, where gateways price prefills with it.
+    deadline = time.monotonic() + 30
+    while (published := registered(prefix)[decode.url].prefill_factor) == 1.0:
+        assert time.monotonic() < deadline, "the scheduler's correction never reached the registry"
+        time.sleep(0.5)
+    assert 1 / MAX_FACTOR <= published <= MAX_FACTOR
 
 
 STREAMS, STREAM_CONTEXT = 4, 40

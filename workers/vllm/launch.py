@@ -53,6 +53,11 @@ class StepSizing:
     def packages(self) -> str:
         return f"{self.folder}/packages"
 
+    @property
+    def prices(self) -> str:
+        """The scheduler's corrections of the profile's prices (perfmodel.step_correction), as JSON."""
+        return f"{self.folder}/step_prices.json"
+
 
 @dataclass(frozen=True)
 class KVEvents:
@@ -179,6 +184,7 @@ def server_env(launch: VllmLaunch, base: dict[str, str]) -> dict[str, str]:
     if (sizing := launch.step_sizing) is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (sizing.packages, env.get("PYTHONPATH", "")) if p)
         env["AMPD_STEP_PROFILE"], env["AMPD_STEP_TARGET_FILE"] = sizing.profile, sizing.target
+        env["AMPD_STEP_PRICES_FILE"] = sizing.prices
         if sizing.log:
             env["AMPD_STEP_LOG"] = sizing.log
     return env

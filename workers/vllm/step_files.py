@@ -4,6 +4,7 @@ scheduler imports (so vLLM's environment gains those, not ampd's dependencies)."
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -27,6 +28,14 @@ def prepare(sizing: StepSizing, profile: Profile, target_ms: float) -> None:
             link.symlink_to(Path(package.__file__).resolve().parent, target_is_directory=True)
     Path(sizing.profile).write_text(profile.model_dump_json())
     set_target(sizing, target_ms)
+
+
+def read_prices(sizing: StepSizing) -> dict[str, float]:
+    """The scheduler's corrections of the profile's prices by step shape (empty before its first)."""
+    try:
+        return json.loads(Path(sizing.prices).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def set_target(sizing: StepSizing, target_ms: float) -> None:

@@ -26,6 +26,8 @@ It reads, from the environment:
 - ``AMPD_STEP_PROFILE``: the engine's ampd profile (JSON);
 - ``AMPD_STEP_TARGET_FILE``: a file holding the target in milliseconds (0: off), read
   again whenever it changes, so a new target needs no restart;
+- ``AMPD_STEP_PRICES_FILE``: where it writes its corrections, by step shape, as JSON (at
+  most once every PRICES_EVERY_S), for the supervisor to publish in the registry;
 - ``AMPD_STEP_LOG``: optionally, a file to which each step that carried decodes appends a
   JSON line (its decodes, budget, scheduled tokens, predicted and measured seconds, and
   the correction its budget was sized with).
@@ -59,6 +61,8 @@ from rounds.engine.step_budget import step_token_budget
 
 SUPPORTED_VLLM = (">=0.32", "<0.33")
 PROFILE_ENV, TARGET_ENV, LOG_ENV = "AMPD_STEP_PROFILE", "AMPD_STEP_TARGET_FILE", "AMPD_STEP_LOG"
+PRICES_ENV = "AMPD_STEP_PRICES_FILE"
+PRICES_EVERY_S = 1.0
 SEAM = "token_budget = self.max_num_scheduled_tokens"  # the line of Scheduler.schedule this leans on
 
 
@@ -96,6 +100,8 @@ class StepSizer:
         self._target = StepTarget(Path(os.environ[TARGET_ENV]))
         self._log = open(os.environ[LOG_ENV], "a", buffering=1) if os.environ.get(LOG_ENV) else None  # noqa: SIM115
         self.correction = StepCorrection()
+        self._prices = Path(os.environ[PRICES_ENV]) if os.environ.get(PRICES_ENV) else None
+        self._prices_written: tuple[float, dict[str, float]] = (0.0, {})
         self._in_flight: dict[int, tuple[float, dict]] = {}  # by id() of the scheduler output
         self._last_update = 0.0  # when vLLM last folded a step's output back
 
@@ -128,7 +134,20 @@ class StepSizer:
             if self._log is not None and step["decodes"]:
                 self._log.write(json.dumps(step) + "\n")
         self._last_update = now
+        self._publish(now)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _publish(self, now: float) -> None:
+        """The corrections for the supervisor, when they changed, at most every PRICES_EVERY_S,
+        replaced whole (a reader never sees half a file)."""
+        at, written = self._prices_written
+        factors = self.correction.factors()
+        if self._prices is None or now - at < PRICES_EVERY_S or factors == written:
+            return
+        staged = self._prices.with_name(f"{self._prices.name}.new")
+        staged.write_text(json.dumps(factors))
+        os.replace(staged, self._prices)
+        self._prices_written = (now, factors)
 
     def _prefill_context(self) -> int:
         """The history of the prefill this step would carry: the first running request mid-prefill's,

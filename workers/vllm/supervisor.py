@@ -19,17 +19,26 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
 from perfmodel.profile import Profile
+from perfmodel.step_correction import PREFILL
 from surface.kv_events import hash_seed
 from surface.parent_death import end_with_parent
-from surface.registry import Registration, WorkerInfo, follow_step_target, heartbeat_client, node_name
+from surface.registry import (
+    STEP_TARGET_POLL_S,
+    Registration,
+    WorkerInfo,
+    follow_step_target,
+    heartbeat_client,
+    node_name,
+)
 from surface.wire import cache_config, parse_load
 from workers.vllm import step_files, tokenizer_files
-from workers.vllm.launch import VllmLaunch, server_argv, server_env
+from workers.vllm.launch import StepSizing, VllmLaunch, server_argv, server_env
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +87,7 @@ async def supervise(
                 apply = functools.partial(step_files.set_target, launch.step_sizing)
                 following = follow_step_target(redis, prefix, info.worker_id, apply, step_target_ms)
                 tasks.append(asyncio.create_task(following))
+                tasks.append(asyncio.create_task(_follow_prices(registration, launch.step_sizing)))
             log.info("%s ready at %s (KV %d tokens)", info.worker_id, info.url, info.kv_capacity_tokens)
             exited, stopping = asyncio.create_task(engine.wait()), asyncio.create_task(stop.wait())
             await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -97,6 +107,16 @@ async def supervise(
         await redis.aclose()
         if launch.step_sizing is not None:
             shutil.rmtree(launch.step_sizing.folder, ignore_errors=True)
+
+
+async def _follow_prices(registration: Registration, sizing: StepSizing) -> None:
+    """The scheduler's correction of the profile's prefill prices into the registry entry,
+    which the next heartbeat carries to the gateways."""
+    while True:
+        factor = step_files.read_prices(sizing).get(PREFILL)
+        if factor is not None and factor != registration.info.prefill_factor:
+            registration.info = replace(registration.info, prefill_factor=factor)
+        await asyncio.sleep(STEP_TARGET_POLL_S)
 
 
 def nice_session(session: int, niceness: int) -> None:
