@@ -45,8 +45,10 @@ $(PEER_VENVS): bench/peer_venvs.py $(BIN)/.installed
 # The suite on TEST_WORKERS xdist workers: a module's tests stay on one, and the modules that
 # start vLLM engines (test_vllm*) on one, one after another, first (tests/conftest.py says why).
 # Tests marked timing hold a pace to a few percent, which no busy machine keeps: they run alone after.
+# The venvs build side by side (vLLM's is the long one), each one's output kept together.
 TEST_WORKERS ?= 3
-test: $(BIN)/.installed $(VLLM_VENV)/.installed $(PEER_VENVS)
+test:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(BIN)/.installed $(VLLM_VENV)/.installed $(PEER_VENVS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	AMPD_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --no-loadscope-reorder -m "not timing"
 	$(BIN)/pytest -m timing
