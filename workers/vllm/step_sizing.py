@@ -118,7 +118,7 @@ class StepSizer:
         finally:
             self.max_num_scheduled_tokens = full
         if output.total_num_scheduled_tokens:
-            step = self._step(output, len(decoding), budget, full, target, factor) | {"history": history}
+            step = self._step(output, len(decoding), budget, full, target, factor, history)
             self._in_flight[id(output)] = (time.monotonic(), step)
         return output
 
@@ -141,8 +141,10 @@ class StepSizer:
         """The corrections for the supervisor, when they changed, at most every PRICES_EVERY_S,
         replaced whole (a reader never sees half a file)."""
         at, written = self._prices_written
+        if self._prices is None or now - at < PRICES_EVERY_S:
+            return
         factors = self.correction.factors()
-        if self._prices is None or now - at < PRICES_EVERY_S or factors == written:
+        if factors == written:
             return
         staged = self._prices.with_name(f"{self._prices.name}.new")
         staged.write_text(json.dumps(factors))
@@ -157,7 +159,7 @@ class StepSizer:
                 return r.num_computed_tokens
         return self.waiting.peek_request().num_computed_tokens if self.waiting else 0
 
-    def _step(self, output, decodes: int, budget: int, full: int, target: float, factor: float) -> dict:
+    def _step(self, output, decodes: int, budget: int, full: int, target: float, factor: float, history: int) -> dict:
         """The step as scheduled (vLLM has advanced each request's computed tokens by its
         share) and the profile's uncorrected price of it."""
         before = {rid: (self.requests[rid], self.requests[rid].num_computed_tokens - n)
@@ -167,7 +169,8 @@ class StepSizer:
         contexts = [hist for r, hist in before.values() if hist >= r.num_prompt_tokens]
         return {"t": time.time(), "decodes": decodes, "budget": budget, "full": full, "target_s": target,
                 "scheduled": output.total_num_scheduled_tokens, "prefill_tokens": sum(n for _, n in prefills),
-                "predicted_s": self._profile.step_time(prefills, contexts), "factor": factor}  # fmt: skip
+                "predicted_s": self._profile.step_time(prefills, contexts), "factor": factor,
+                "history": history}  # fmt: skip
 
 
 class StepSizedScheduler(StepSizer, Scheduler):
